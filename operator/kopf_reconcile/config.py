@@ -26,9 +26,7 @@ def seconds(option: str, value: object) -> float:
     if isinstance(value, datetime.timedelta):
         result = value.total_seconds()
     elif isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(
-            f"{option} must be a number of seconds or a timedelta, got {value!r}"
-        )
+        raise ConfigError(f"{option} must be a number of seconds or a timedelta, got {value!r}")
     else:
         result = float(value)
     if math.isnan(result) or math.isinf(result):

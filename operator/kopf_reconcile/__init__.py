@@ -1,0 +1,59 @@
+"""kopf-reconcile: controller-runtime-style reconcile loops for kopf operators.
+
+A :class:`Loop` dispatches entity ids from triggers to a reconciler, one
+reconcile per entity at a time, with coalescing, delays, per-entity backoff
+and dead letters. With a :class:`LeaderElector` only the lease holder
+dispatches; with a :class:`FencedRepository` every write carries the lease's
+monotonic epoch and the database rejects a stale one, so a paused old leader
+cannot overwrite a new leader's work.
+
+Conventional import: ``import kopf_reconcile as kr``.
+"""
+
+from __future__ import annotations
+
+from kopf_reconcile.api import PermanentError, Reconciler, Request, Result
+from kopf_reconcile.builder import Builder, new
+from kopf_reconcile.config import ConfigError
+from kopf_reconcile.fencing.protocol import FencedRepository, StaleEpochError
+from kopf_reconcile.fencing.writer import FencedWriter, fenced_writer
+from kopf_reconcile.leader.protocol import (
+    LeaderElector,
+    LeaseContended,
+    LeaseError,
+    LeaseLost,
+    LeaseToken,
+    LeaseTTL,
+)
+from kopf_reconcile.loop import Loop, LoopStats
+from kopf_reconcile.metrics import Metrics, register_metrics
+from kopf_reconcile.tenancy import Tenancy
+from kopf_reconcile.triggers import ChannelTrigger, TickerTrigger, Trigger
+
+__all__ = [
+    "Builder",
+    "ChannelTrigger",
+    "ConfigError",
+    "FencedRepository",
+    "FencedWriter",
+    "LeaderElector",
+    "LeaseContended",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseTTL",
+    "LeaseToken",
+    "Loop",
+    "LoopStats",
+    "Metrics",
+    "PermanentError",
+    "Reconciler",
+    "Request",
+    "Result",
+    "StaleEpochError",
+    "Tenancy",
+    "TickerTrigger",
+    "Trigger",
+    "fenced_writer",
+    "new",
+    "register_metrics",
+]

@@ -1,0 +1,114 @@
+"""What a reconciler is, what it receives and what it returns.
+
+A reconciler converges *one* entity toward its desired state. The Loop calls
+it with a :class:`Request` naming the entity and schedules the next look from
+what it returns:
+
+* ``Result(requeue_after=d)`` with ``d > 0``: look again after ``d`` seconds;
+* ``Result()`` or ``None``: look again at the loop's interval (unless the loop
+  was built ``without_default_requeue()``);
+* a raised exception: transient, retried with per-entity exponential backoff
+  (a ``requeue_after`` is meaningless then: the error path wins);
+* a raised :class:`PermanentError`: retrying cannot help; the entity is
+  dead-lettered until a fresh trigger names it again.
+
+Reconcilers must be idempotent and level-triggered: they may run again without
+any change (periodic resync, coalesced re-runs, retries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Protocol, runtime_checkable
+
+from kopf_reconcile.config import ConfigError, Duration, seconds
+
+RESYNC_ALL = ""
+"""The entity id of a resync-all request: "re-observe every entity you own"."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """The entity to reconcile. ``""`` is the resync-all sentinel (see ``TickerTrigger``)."""
+
+    entity_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result:
+    """The scheduling hint a reconciler returns."""
+
+    requeue_after: float = 0
+
+    def __post_init__(self) -> None:
+        after = seconds("Result.requeue_after", self.requeue_after)
+        if after < 0:
+            raise ConfigError(f"Result.requeue_after must be >= 0, got {self.requeue_after!r}")
+        object.__setattr__(self, "requeue_after", after)
+
+    @classmethod
+    def after(cls, delay: Duration) -> Result:
+        """``Result(requeue_after=delay)``, accepting a timedelta."""
+        return cls(requeue_after=seconds("requeue_after", delay))
+
+
+class PermanentError(Exception):
+    """Retrying cannot help: dead-letter the entity until a fresh trigger."""
+
+
+@runtime_checkable
+class Reconciler(Protocol):
+    """An object with one async method converging one entity."""
+
+    async def reconcile(self, req: Request) -> Result | None:
+        """Converge ``req.entity_id``; see the module docstring for the contract."""
+        ...
+
+
+ReconcileFn = Callable[[Request], Awaitable[object]]
+ReconcilerLike = Reconciler | Callable[[Request], object]
+
+
+def as_reconcile_fn(reconciler: object) -> tuple[str, ReconcileFn]:
+    """Normalise what a user passes as a reconciler into ``(name, async callable)``.
+
+    Accepted: an object with a ``reconcile`` method (async or sync), an async
+    function, or a sync function (run in a worker thread so it cannot block the
+    event loop; a thread cannot be interrupted, so a sync reconciler only sees
+    cancellation when it returns).
+    """
+    if reconciler is None:
+        raise ConfigError("reconciler is required, got None")
+    target = getattr(reconciler, "reconcile", reconciler)
+    if not callable(target):
+        raise ConfigError(
+            f"reconciler must be callable or have a reconcile() method, got {reconciler!r}"
+        )
+    name = _name_of(reconciler)
+    if _is_async(target):
+        return name, target
+    sync_target = target
+
+    async def in_thread(req: Request) -> object:
+        return await asyncio.to_thread(sync_target, req)
+
+    return name, in_thread
+
+
+def _is_async(fn: Callable[..., object]) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - async __call__ of a callable object
+    )
+
+
+def _name_of(reconciler: object) -> str:
+    name = getattr(reconciler, "__name__", None)
+    if isinstance(name, str):
+        return name
+    return type(reconciler).__name__

@@ -1,0 +1,137 @@
+"""The one way to construct a Loop: ``Builder(reconciler, tenancy).with_...().build()``.
+
+Build-time checks catch what makes a Loop meaningless (no reconciler, no
+declared tenancy, no trigger, fencing without a leadership epoch); value
+ranges (concurrency, intervals, backoff, reconciler id, renew interval vs.
+lease TTL) are checked when the Loop starts. Every failure is a
+:class:`~kopf_reconcile.ConfigError` naming the option and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Self
+
+from kopf_reconcile.api import ReconcilerLike, as_reconcile_fn
+from kopf_reconcile.config import ConfigError, Duration, seconds
+from kopf_reconcile.fencing.protocol import FencedRepository
+from kopf_reconcile.leader.protocol import LeaderElector
+from kopf_reconcile.loop import Loop, LoopConfig
+from kopf_reconcile.metrics import Metrics
+from kopf_reconcile.tenancy import Tenancy
+from kopf_reconcile.triggers import Trigger
+
+
+class Builder:
+    """Fluent configuration of a :class:`~kopf_reconcile.loop.Loop`."""
+
+    def __init__(self, reconciler: ReconcilerLike, tenancy: Tenancy) -> None:
+        self._config = LoopConfig(reconciler=reconciler, tenancy=tenancy, triggers=[])
+
+    def with_trigger(self, trigger: Trigger) -> Self:
+        """Add a source of requests (may be called more than once)."""
+        if not callable(getattr(trigger, "run", None)):
+            raise ConfigError(f"trigger must have an async run(emit) method, got {trigger!r}")
+        self._config.triggers.append(trigger)
+        return self
+
+    def with_concurrency(self, n: int) -> Self:
+        """Worker count: reconciles of distinct entities running at once. Default 1."""
+        self._config.concurrency = n
+        return self
+
+    def with_interval(self, interval: Duration) -> Self:
+        """Requeue after a success without ``requeue_after`` (±10 % jitter). Default 10 h."""
+        self._config.interval = seconds("interval", interval)
+        return self
+
+    def with_backoff(self, base: Duration, maximum: Duration) -> Self:
+        """Per-entity retry delay ``base·2ⁿ`` capped at ``maximum``. Default 5 ms, 1000 s."""
+        self._config.backoff_base = seconds("backoff base", base)
+        self._config.backoff_max = seconds("backoff max", maximum)
+        return self
+
+    def with_leader(self, elector: LeaderElector) -> Self:
+        """Dispatch only while holding this elector's lease. Default: none (single process)."""
+        self._config.leader = elector
+        return self
+
+    def with_fenced_repo(self, repo: FencedRepository) -> Self:
+        """Give every reconcile a FencedWriter bound to the lease epoch. Requires a leader."""
+        self._config.fenced_repo = repo
+        return self
+
+    def with_metrics(self, metrics: Metrics) -> Self:
+        """Record to these instruments (see ``register_metrics``). Default: none."""
+        if not isinstance(metrics, Metrics):
+            raise ConfigError(f"metrics must come from register_metrics(), got {metrics!r}")
+        self._config.metrics = metrics
+        return self
+
+    def with_name(self, name: str) -> Self:
+        """Controller name in metrics and logs. Default: the reconciler's name."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"name must be a non-empty string, got {name!r}")
+        self._config.name = name
+        return self
+
+    def with_reconciler_id(self, reconciler_id: str) -> Self:
+        """Lease name and fencing scope (RFC 1123 subdomain). Default: derived from the name."""
+        self._config.reconciler_id = reconciler_id
+        return self
+
+    def with_renew_interval(self, interval: Duration) -> Self:
+        """How often the lease is renewed. Default 2 s; must be below 2/3 of the lease TTL."""
+        self._config.renew_interval = seconds("renew_interval", interval)
+        return self
+
+    def with_intake_capacity(self, n: int) -> Self:
+        """Ready entities before a trigger's emit() blocks (backpressure). Default 100 000."""
+        self._config.intake_capacity = n
+        return self
+
+    def with_stop_timeout(self, timeout: Duration) -> Self:
+        """How long stop() lets in-flight reconciles finish. Default 30 s."""
+        self._config.stop_timeout = seconds("stop timeout", timeout)
+        return self
+
+    def without_default_requeue(self) -> Self:
+        """Do not re-observe after a success unless the reconciler asks (``requeue_after``)."""
+        self._config.default_requeue = False
+        return self
+
+    def build(self) -> Loop:
+        """Check the configuration is meaningful and construct the Loop."""
+        cfg = self._config
+        as_reconcile_fn(cfg.reconciler)  # raises ConfigError when missing or not callable
+        if not isinstance(cfg.tenancy, Tenancy):
+            raise ConfigError(
+                f"tenancy must be Tenancy.SINGLE_TENANT or Tenancy.TENANT_SCOPED, "
+                f"got {cfg.tenancy!r}"
+            )
+        if not cfg.triggers:
+            raise ConfigError(
+                "trigger: a loop needs at least one with_trigger(...); without one it never "
+                "receives work"
+            )
+        if cfg.leader is not None:
+            _require_methods("leader", cfg.leader, "acquire_lease", "renew_lease", "release_lease")
+        if cfg.fenced_repo is not None:
+            _require_methods("fenced repo", cfg.fenced_repo, "apply_fenced")
+            if cfg.leader is None:
+                raise ConfigError(
+                    "fenced repo: with_fenced_repo() requires with_leader(); without a "
+                    "leadership epoch every write would carry epoch 0 and nothing is fenced"
+                )
+        return Loop(dataclasses.replace(cfg, triggers=list(cfg.triggers)))
+
+
+def new(reconciler: ReconcilerLike, tenancy: Tenancy) -> Builder:
+    """``Builder(reconciler, tenancy)``."""
+    return Builder(reconciler, tenancy)
+
+
+def _require_methods(option: str, value: object, *methods: str) -> None:
+    missing = [m for m in methods if not callable(getattr(value, m, None))]
+    if missing:
+        raise ConfigError(f"{option} {value!r} lacks method(s): {', '.join(missing)}")

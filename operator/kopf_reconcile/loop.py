@@ -1,0 +1,685 @@
+"""The reconcile Loop: workers, triggers, timers and the lease control plane.
+
+A Loop pulls entity ids from its triggers into a :class:`WorkQueue`,
+dispatches them to the reconciler over a bounded pool of worker tasks (one
+reconcile per entity at a time) and schedules the next look from the result.
+
+Leadership. With a :class:`LeaderElector`, only the holder of a live lease
+dispatches: workers exist only while the lease is held. Followers keep
+queuing (deduplicated), so nothing is lost at failover, and a new leader also
+runs a resync-all. The lease is renewed every ``renew_interval``; when no
+renewal has succeeded for the renew deadline (2/3 of the TTL, measured on
+this process's monotonic clock from when the last successful renewal was
+*sent*) or the elector says the lease is lost, the Loop steps down at once:
+in-flight reconciles are cancelled, dispatch stops, and it goes back to
+acquiring. Without an elector the Loop is always the leader, with epoch 0,
+and nothing is fenced.
+
+Fencing. With a :class:`FencedRepository`, each reconcile gets a
+:class:`FencedWriter` bound to the lease's epoch. A
+:class:`StaleEpochError` escaping a reconcile means a higher epoch has
+written: this process may be a zombie, so it stops dispatching immediately,
+steps down and re-acquires; the entity is re-queued without backoff growth.
+
+Lifecycle. ``await start()`` returns promptly, everything runs as tasks;
+``await stop(timeout)`` stops the triggers, lets in-flight reconciles finish
+(renewing the lease meanwhile), cancels what is left after the timeout, and
+releases the lease so a peer takes over at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import re
+from collections import deque
+from types import TracebackType
+from typing import Self
+
+from kopf_reconcile.api import RESYNC_ALL, PermanentError, Request, Result, as_reconcile_fn
+from kopf_reconcile.backoff import requeue_jitter
+from kopf_reconcile.config import ConfigError, seconds
+from kopf_reconcile.fencing.protocol import FencedRepository, StaleEpochError
+from kopf_reconcile.fencing.writer import bind_writer, mint_writer, unbind_writer
+from kopf_reconcile.leader.protocol import (
+    LeaderElector,
+    LeaseContended,
+    LeaseLost,
+    LeaseToken,
+    LeaseTTL,
+)
+from kopf_reconcile.metrics import BoundMetrics, Metrics
+from kopf_reconcile.tenancy import MalformedEntityId, Tenancy
+from kopf_reconcile.triggers import Trigger
+from kopf_reconcile.workqueue import WorkQueue
+
+logger = logging.getLogger("kopf_reconcile.loop")
+
+# Defaults (controller-runtime / client-go parity).
+DEFAULT_CONCURRENCY = 1  # controller-runtime MaxConcurrentReconciles
+DEFAULT_INTERVAL = 10 * 3600.0  # controller-runtime SyncPeriod: 10 h
+DEFAULT_BACKOFF_BASE = 0.005  # client-go DefaultControllerRateLimiter: 5 ms
+DEFAULT_BACKOFF_MAX = 1000.0  # ... capped at 1000 s
+DEFAULT_RENEW_INTERVAL = 2.0  # client-go RetryPeriod
+DEFAULT_STOP_TIMEOUT = 30.0  # controller-runtime GracefulShutdownTimeout
+DEFAULT_INTAKE_CAPACITY = 100_000  # ready entities before emit() blocks
+RENEW_DEADLINE_FRACTION = 2 / 3  # client-go: RenewDeadline 10 s of LeaseDuration 15 s
+DEFAULT_RENEW_DEADLINE = 10.0  # for electors that do not expose their ttl
+ACQUIRE_RETRY_JITTER = 1.2  # client-go JitterFactor on RetryPeriod
+TRIGGER_RESTART_MAX = 30.0
+
+_RFC1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopStats:
+    """A snapshot of a Loop for probes and tests."""
+
+    queued: int  # entities ready to run, not yet taken by a worker
+    in_flight: int  # reconciles running now
+    dead_letters: int  # entities dead-lettered and not re-triggered since
+    is_leader: bool
+    epoch: int
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """Everything a Builder collected; validated by :meth:`Loop.start`."""
+
+    reconciler: object
+    tenancy: Tenancy
+    triggers: list[Trigger]
+    concurrency: int = DEFAULT_CONCURRENCY
+    interval: float = DEFAULT_INTERVAL
+    backoff_base: float = DEFAULT_BACKOFF_BASE
+    backoff_max: float = DEFAULT_BACKOFF_MAX
+    leader: LeaderElector | None = None
+    fenced_repo: FencedRepository | None = None
+    metrics: Metrics | None = None
+    name: str | None = None
+    reconciler_id: str | None = None
+    renew_interval: float = DEFAULT_RENEW_INTERVAL
+    default_requeue: bool = True
+    intake_capacity: int = DEFAULT_INTAKE_CAPACITY
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT
+    rng: random.Random = dataclasses.field(default_factory=random.Random)
+
+
+def default_reconciler_id(name: str) -> str:
+    """A lease-name-safe id derived from a reconciler's name (``reconcile_x`` → ``reconcile-x``)."""
+    return re.sub(r"[^a-z0-9.-]+", "-", name.lower()).strip("-.") or "reconciler"
+
+
+def validate_reconciler_id(value: object) -> str:
+    if not isinstance(value, str) or len(value) > 253 or not _RFC1123_SUBDOMAIN.match(value):
+        raise ConfigError(
+            f"reconciler_id must be a valid Kubernetes object name (RFC 1123 subdomain: "
+            f"lowercase alphanumerics, '-' and '.', at most 253 characters), got {value!r}"
+        )
+    return value
+
+
+class Loop:
+    """A running reconcile loop. Build it with :class:`~kopf_reconcile.Builder`."""
+
+    def __init__(self, config: LoopConfig) -> None:
+        self._config = config
+        self._name, self._reconcile = as_reconcile_fn(config.reconciler)
+        if config.name is not None:
+            self._name = config.name
+        self._reconciler_id = config.reconciler_id or default_reconciler_id(self._name)
+        self._started = False
+        self._stopping = False
+        self._stopped = False
+        # Leadership (single-process mode: always leader, epoch 0).
+        self._leading = False
+        self._dispatch_open = False
+        self._epoch = 0
+        self._token: LeaseToken | None = None
+        self._lease_valid_until = 0.0
+        self._renew_deadline = DEFAULT_RENEW_DEADLINE
+        self._recheck = asyncio.Event()
+        self._step_down_reason: str | None = None
+        # Tasks and waiters.
+        self._workers: set[asyncio.Task[None]] = set()
+        self._stragglers: set[asyncio.Task[None]] = set()
+        self._trigger_tasks: list[asyncio.Task[None]] = []
+        self._control_task: asyncio.Task[None] | None = None
+        self._idle: deque[asyncio.Future[None]] = deque()
+        self._space: deque[asyncio.Future[None]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0
+        self._running: dict[str, float] = {}
+        self._queue = WorkQueue(
+            backoff_base=config.backoff_base, backoff_max=config.backoff_max, rng=config.rng
+        )
+        self._m = BoundMetrics(None, self._name)
+
+    # -- public surface --------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The controller name (metrics label, logs)."""
+        return self._name
+
+    @property
+    def reconciler_id(self) -> str:
+        """The lease name and fencing scope."""
+        return self._reconciler_id
+
+    def stats(self) -> LoopStats:
+        return LoopStats(
+            queued=self._queue.ready_count,
+            in_flight=len(self._running),
+            dead_letters=self._queue.dead_count,
+            is_leader=self._leading,
+            epoch=self._epoch,
+        )
+
+    async def start(self) -> None:
+        """Validate, then start workers, triggers and the lease control plane as tasks."""
+        if self._started:
+            raise RuntimeError(f"loop {self._name!r} was already started")
+        self._validate()
+        self._started = True
+        cfg = self._config
+        self._loop = asyncio.get_running_loop()
+        self._queue = WorkQueue(
+            backoff_base=cfg.backoff_base, backoff_max=cfg.backoff_max, rng=cfg.rng
+        )
+        self._m = BoundMetrics(
+            cfg.metrics,
+            self._name,
+            depth=lambda: self._queue.ready_count,
+            in_flight=lambda: len(self._running),
+            dead=lambda: self._queue.dead_count,
+        )
+        self._m.max_concurrent.set(cfg.concurrency)
+        bind = getattr(cfg.fenced_repo, "bind_loop", None)
+        if callable(bind):
+            bind(reconciler_id=self._reconciler_id, tenancy=cfg.tenancy)
+        use_floor = getattr(cfg.leader, "use_epoch_floor", None)
+        highest = getattr(cfg.fenced_repo, "highest_epoch", None)
+        if callable(use_floor) and callable(highest):
+            use_floor(highest)
+        self._trigger_tasks = [
+            asyncio.create_task(self._supervise(t), name=f"{self._name}: trigger {t!r}")
+            for t in cfg.triggers
+        ]
+        if cfg.leader is None:
+            self._leading = True
+            self._dispatch_open = True
+            self._m.leader.set(1)
+            self._spawn_workers()
+        else:
+            self._control_task = asyncio.create_task(
+                self._lead(cfg.leader), name=f"{self._name}: lease control plane"
+            )
+        logger.info(
+            "loop %s started (reconciler id %s, %d workers, %s)",
+            self._name,
+            self._reconciler_id,
+            cfg.concurrency,
+            "single-process" if cfg.leader is None else "leader election",
+            extra={"controller": self._name},
+        )
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Drain in-flight reconciles (up to ``timeout``), cancel the rest, release the lease."""
+        if not self._started or self._stopped:
+            return
+        limit = self._config.stop_timeout if timeout is None else seconds("timeout", timeout)
+        self._stopping = True
+        for task in self._trigger_tasks:
+            task.cancel()
+        await asyncio.gather(*self._trigger_tasks, return_exceptions=True)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._wake_all(self._idle)
+        self._wake_all(self._space)
+        workers = self._workers | self._stragglers
+        if workers:
+            _, pending = await asyncio.wait(workers, timeout=limit)
+            if pending:
+                logger.error(
+                    "loop %s: reconciles still running %.1fs after stop, cancelling: %s",
+                    self._name,
+                    limit,
+                    sorted(self._running),
+                    extra={"controller": self._name},
+                )
+                await self._cancel(pending)
+        if self._control_task is not None:
+            self._control_task.cancel()
+            await asyncio.gather(self._control_task, return_exceptions=True)
+        await self._release()
+        self._leading = False
+        self._m.leader.set(0)
+        self._stopped = True
+        logger.info("loop %s stopped", self._name, extra={"controller": self._name})
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def enqueue(self, request: Request) -> None:
+        """Add a request as a trigger would (with backpressure)."""
+        await self._emit(request)
+
+    # -- validation ------------------------------------------------------------
+
+    def _validate(self) -> None:
+        cfg = self._config
+        if isinstance(cfg.concurrency, bool) or not isinstance(cfg.concurrency, int):
+            raise ConfigError(f"concurrency must be an integer >= 1, got {cfg.concurrency!r}")
+        if cfg.concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1, got {cfg.concurrency!r}")
+        if cfg.interval <= 0:
+            raise ConfigError(f"interval must be > 0 seconds, got {cfg.interval!r}")
+        if cfg.backoff_base <= 0:
+            raise ConfigError(f"backoff base must be > 0 seconds, got {cfg.backoff_base!r}")
+        if cfg.backoff_base > cfg.backoff_max:
+            raise ConfigError(
+                f"backoff base ({cfg.backoff_base!r} s) must not exceed backoff max "
+                f"({cfg.backoff_max!r} s)"
+            )
+        if isinstance(cfg.intake_capacity, bool) or not isinstance(cfg.intake_capacity, int):
+            raise ConfigError(f"intake capacity must be an integer, got {cfg.intake_capacity!r}")
+        if cfg.intake_capacity < 1:
+            raise ConfigError(f"intake capacity must be >= 1, got {cfg.intake_capacity!r}")
+        if cfg.stop_timeout < 0:
+            raise ConfigError(f"stop timeout must be >= 0 seconds, got {cfg.stop_timeout!r}")
+        validate_reconciler_id(self._reconciler_id)
+        if cfg.leader is not None:
+            if cfg.renew_interval <= 0:
+                raise ConfigError(f"renew_interval must be > 0 seconds, got {cfg.renew_interval!r}")
+            ttl = getattr(cfg.leader, "ttl", None)
+            if isinstance(ttl, LeaseTTL):
+                self._renew_deadline = ttl.seconds * RENEW_DEADLINE_FRACTION
+                if cfg.renew_interval >= self._renew_deadline:
+                    raise ConfigError(
+                        f"renew_interval ({cfg.renew_interval!r} s) must be shorter than the "
+                        f"renew deadline ({self._renew_deadline:.3g} s = 2/3 of the lease ttl "
+                        f"{ttl.seconds!r} s), so a leader steps down before its lease can expire"
+                    )
+            elif cfg.renew_interval >= DEFAULT_RENEW_DEADLINE:
+                raise ConfigError(
+                    f"renew_interval ({cfg.renew_interval!r} s) must be shorter than the "
+                    f"renew deadline ({DEFAULT_RENEW_DEADLINE} s)"
+                )
+
+    # -- intake ----------------------------------------------------------------
+
+    async def _emit(self, request: Request) -> None:
+        if type(request) is not Request or not isinstance(request.entity_id, str):
+            raise TypeError(
+                f"a trigger of loop {self._name!r} emitted {request!r}; "
+                "expected kopf_reconcile.Request(entity_id: str)"
+            )
+        entity = request.entity_id
+        queue = self._queue
+        while (
+            queue.ready_count >= self._config.intake_capacity
+            and not queue.is_ready(entity)
+            and not queue.is_processing(entity)
+            and not self._stopping
+        ):
+            space = self._loop.create_future()
+            self._space.append(space)
+            await space
+        self._enqueue(entity)
+
+    def _enqueue(self, entity: str) -> None:
+        self._m.adds.inc()
+        if self._queue.add(entity, self._loop.time()) and self._dispatch_open:
+            self._wake_one(self._idle)
+
+    # -- timers ----------------------------------------------------------------
+
+    def _arm_timer(self) -> None:
+        due = self._queue.next_due()
+        if due is None or self._stopping:
+            return
+        if self._timer is not None and self._timer_due <= due:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = self._loop.call_at(due, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        became_ready = self._queue.pop_due(self._loop.time())
+        if self._dispatch_open:
+            for _ in range(min(became_ready, self._config.concurrency)):
+                self._wake_one(self._idle)
+        self._arm_timer()
+
+    # -- workers ---------------------------------------------------------------
+
+    def _spawn_workers(self) -> None:
+        for i in range(self._config.concurrency):
+            task = asyncio.create_task(self._work(), name=f"{self._name}: worker {i}")
+            self._workers.add(task)
+            task.add_done_callback(self._workers.discard)
+
+    async def _work(self) -> None:
+        queue = self._queue
+        while not self._stopping:
+            if not self._dispatch_open or not queue.ready_count:
+                idle = self._loop.create_future()
+                self._idle.append(idle)
+                await idle
+                continue
+            entity, since = queue.get()
+            if self._space:
+                self._wake_one(self._space)
+            await self._process(entity, since)
+
+    async def _process(self, entity: str, since: float) -> None:
+        m = self._m
+        loop_time = self._loop.time
+        started = loop_time()
+        m.queue_duration.observe(started - since)
+        self._running[entity] = started
+        writer_token = None
+        repo = self._config.fenced_repo
+        if repo is not None:
+            epoch = self._epoch
+            writer_token = bind_writer(
+                mint_writer(repo, epoch, self._lease_is_live, self._count_fenced_write)
+            )
+        try:
+            if entity != RESYNC_ALL:
+                self._config.tenancy.tenant_of(entity)
+            outcome = await self._reconcile(Request(entity))
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError  # the reconciler swallowed a cancellation
+        except asyncio.CancelledError:
+            self._queue.done_requeue(entity, loop_time())
+            m.results["canceled"].inc()
+            raise
+        except MalformedEntityId as exc:
+            self._dead_letter(entity, f"malformed entity id: {exc}")
+        except PermanentError as exc:
+            self._dead_letter(entity, f"permanent error: {exc!r}")
+        except StaleEpochError as exc:
+            self._fenced(entity, exc)
+        except Exception as exc:
+            delay = self._queue.done_error(entity, loop_time())
+            m.results["error"].inc()
+            m.errors.inc()
+            m.retries.inc()
+            logger.error(
+                "reconcile of %r by %s failed; retrying in %.3fs: %r",
+                entity,
+                self._name,
+                delay,
+                exc,
+                exc_info=exc,
+                extra={"controller": self._name, "entity": entity},
+            )
+        else:
+            self._succeeded(entity, outcome)
+        finally:
+            if writer_token is not None:
+                unbind_writer(writer_token)
+            del self._running[entity]
+            elapsed = loop_time() - started
+            m.reconcile_time.observe(elapsed)
+            m.work_duration.observe(elapsed)
+            self._arm_timer()
+
+    def _succeeded(self, entity: str, outcome: object) -> None:
+        now = self._loop.time()
+        if outcome is None:
+            outcome = Result()
+        if not isinstance(outcome, Result):
+            self._dead_letter(
+                entity,
+                f"reconciler returned {outcome!r}; it must return kopf_reconcile.Result or None "
+                "(a programmer error)",
+            )
+            return
+        if outcome.requeue_after > 0:
+            self._queue.done_success(entity, now, outcome.requeue_after)
+            self._m.results["requeue_after"].inc()
+        else:
+            cfg = self._config
+            after = requeue_jitter(cfg.rng, cfg.interval) if cfg.default_requeue else None
+            self._queue.done_success(entity, now, after)
+            self._m.results["success"].inc()
+
+    def _dead_letter(self, entity: str, reason: str) -> None:
+        self._queue.done_permanent(entity, self._loop.time())
+        self._m.results["permanent"].inc()
+        logger.error(
+            "entity %r of %s dead-lettered (no retry until a fresh trigger): %s",
+            entity,
+            self._name,
+            reason,
+            extra={"controller": self._name, "entity": entity},
+        )
+
+    def _fenced(self, entity: str, exc: StaleEpochError) -> None:
+        self._queue.done_requeue(entity, self._loop.time())
+        self._m.results["fenced"].inc()
+        logger.warning(
+            "reconcile of %r by %s was fenced (%s); stepping down: a higher epoch has written",
+            entity,
+            self._name,
+            exc,
+            extra={"controller": self._name, "entity": entity},
+        )
+        if self._config.leader is not None and self._leading:
+            # Stop dispatch now; the control plane steps down and re-acquires.
+            self._dispatch_open = False
+            self._lease_valid_until = 0.0
+            self._step_down_reason = "a fenced write was rejected"
+            self._recheck.set()
+
+    def _count_fenced_write(self, outcome: str) -> None:
+        self._m.fenced_writes[outcome].inc()
+
+    def _lease_is_live(self, epoch: int) -> bool:
+        if self._config.leader is None:
+            return True
+        return (
+            self._leading and self._epoch == epoch and self._loop.time() < self._lease_valid_until
+        )
+
+    async def _cancel(self, tasks: set[asyncio.Task[None]]) -> None:
+        """Cancel tasks and wait for them briefly; report those that ignore cancellation."""
+        for task in tasks:
+            task.cancel()
+        _, stuck = await asyncio.wait(tasks, timeout=1.0)
+        if stuck:
+            self._stragglers |= stuck
+            for task in stuck:
+                task.add_done_callback(self._stragglers.discard)
+            logger.error(
+                "loop %s: %d reconcile(s) ignore cancellation (sync reconcilers cannot be "
+                "interrupted): %s",
+                self._name,
+                len(stuck),
+                sorted(self._running),
+                extra={"controller": self._name},
+            )
+
+    # -- triggers ----------------------------------------------------------------
+
+    async def _supervise(self, trigger: Trigger) -> None:
+        delay = 0.1
+        while True:
+            started = self._loop.time()
+            try:
+                await trigger.run(self._emit)
+            except Exception:
+                logger.exception(
+                    "trigger %r of %s crashed; restarting in %.1fs",
+                    trigger,
+                    self._name,
+                    delay,
+                    extra={"controller": self._name},
+                )
+            else:
+                logger.info("trigger %r of %s is exhausted", trigger, self._name)
+                return
+            if self._loop.time() - started > TRIGGER_RESTART_MAX:
+                delay = 0.1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, TRIGGER_RESTART_MAX)
+
+    # -- leadership ------------------------------------------------------------
+
+    async def _lead(self, elector: LeaderElector) -> None:
+        interval = self._config.renew_interval
+        rng = self._config.rng
+        while not self._stopping:
+            sent = self._loop.time()
+            try:
+                token = await elector.acquire_lease(self._reconciler_id)
+            except LeaseContended as exc:
+                logger.debug("loop %s: lease is held elsewhere: %s", self._name, exc)
+            except Exception as exc:
+                self._m.lease_errors.inc()
+                logger.warning(
+                    "loop %s: acquiring lease %s failed: %r",
+                    self._name,
+                    self._reconciler_id,
+                    exc,
+                    extra={"controller": self._name},
+                )
+            else:
+                self._became_leader(token, sent)
+                await self._hold(elector, token, sent)
+                continue
+            await asyncio.sleep(interval * rng.uniform(1.0, ACQUIRE_RETRY_JITTER))
+
+    def _became_leader(self, token: LeaseToken, sent: float) -> None:
+        self._token = token
+        self._epoch = token.epoch
+        self._lease_valid_until = sent + self._renew_deadline
+        self._step_down_reason = None
+        self._recheck.clear()
+        self._leading = True
+        self._dispatch_open = True
+        self._m.leader.set(1)
+        self._m.epoch.set(token.epoch)
+        self._m.lease_transitions.inc()
+        logger.info(
+            "loop %s leads %s as %s (epoch %d)",
+            self._name,
+            token.reconciler_id,
+            token.holder_id,
+            token.epoch,
+            extra={"controller": self._name, "epoch": token.epoch},
+        )
+        self._enqueue(RESYNC_ALL)
+        self._spawn_workers()
+
+    async def _hold(self, elector: LeaderElector, token: LeaseToken, last_ok: float) -> None:
+        """Renew until the lease is lost, the deadline passes or a fenced write says so."""
+        interval = self._config.renew_interval
+        while True:
+            remaining = last_ok + self._renew_deadline - self._loop.time()
+            if self._step_down_reason is None and remaining > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._recheck.wait(), min(interval, remaining))
+            if self._step_down_reason is not None:
+                await self._step_down(self._step_down_reason, release=True)
+                return
+            remaining = last_ok + self._renew_deadline - self._loop.time()
+            if remaining <= 0:
+                await self._step_down("no renewal succeeded within the renew deadline", True)
+                return
+            sent = self._loop.time()
+            try:
+                await asyncio.wait_for(elector.renew_lease(token), remaining)
+            except LeaseLost as exc:
+                await self._step_down(f"lease lost: {exc}", release=False)
+                return
+            except Exception as exc:
+                self._m.lease_errors.inc()
+                logger.warning(
+                    "loop %s: renewing lease %s failed (%.1fs left before stepping down): %r",
+                    self._name,
+                    self._reconciler_id,
+                    max(0.0, last_ok + self._renew_deadline - self._loop.time()),
+                    exc,
+                    extra={"controller": self._name},
+                )
+            else:
+                last_ok = sent
+                self._lease_valid_until = sent + self._renew_deadline
+                self._m.lease_renew.observe(self._loop.time() - sent)
+
+    async def _step_down(self, reason: str, release: bool) -> None:
+        self._leading = False
+        self._dispatch_open = False
+        self._lease_valid_until = 0.0
+        self._m.leader.set(0)
+        logger.warning(
+            "loop %s steps down from %s (epoch %d): %s",
+            self._name,
+            self._reconciler_id,
+            self._epoch,
+            reason,
+            extra={"controller": self._name, "epoch": self._epoch},
+        )
+        if self._workers:
+            await self._cancel(set(self._workers))
+        if release:
+            await self._release()
+        self._token = None
+
+    async def _release(self) -> None:
+        token, elector = self._token, self._config.leader
+        self._token = None
+        if token is None or elector is None:
+            return
+        try:
+            await asyncio.wait_for(elector.release_lease(token), self._renew_deadline)
+        except Exception as exc:
+            logger.warning(
+                "loop %s: releasing lease %s failed (it will expire by itself): %r",
+                self._name,
+                self._reconciler_id,
+                exc,
+                extra={"controller": self._name},
+            )
+
+    # -- small helpers -----------------------------------------------------------
+
+    @staticmethod
+    def _wake_one(waiters: deque[asyncio.Future[None]]) -> None:
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    @staticmethod
+    def _wake_all(waiters: deque[asyncio.Future[None]]) -> None:
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"<Loop {self._name} leader={s.is_leader} epoch={s.epoch} queued={s.queued}>"

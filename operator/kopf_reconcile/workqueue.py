@@ -1,0 +1,227 @@
+"""The work queue: which entity runs next, and when.
+
+Pure data structure (no asyncio, no clock: callers pass ``now``, a monotonic
+time in seconds). It follows client-go's workqueue model:
+
+* **ready**: entities runnable now, FIFO, each at most once;
+* **processing**: entities being reconciled; never handed out twice, so at
+  most one reconcile per entity runs at a time across all workers;
+* **dirty**: entities triggered while processing; each gets exactly one
+  re-run after the current one ends, however many triggers arrived;
+* **delayed**: entities with a pending time (requeue, backoff); per entity
+  only the earliest pending time is kept, and an immediate trigger
+  supersedes it.
+
+Transient failures back off per entity: ``base·2ⁿ`` capped at ``max``, with
+full jitter. A fresh trigger during a backoff window runs at once (it may
+carry the fix), but failures inside one window bump the exponent once, not
+per trigger, so an event storm cannot make backoff super-exponential. The
+counter is forgotten on success, on permanent failure and with the queue.
+
+Per-entity state is bounded by the entities that are live in it: an entity
+that succeeded without a requeue leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import random
+from collections import deque
+
+from kopf_reconcile.backoff import exponential_cap, full_jitter
+
+# Rebuild the heap once stale entries outnumber live ones by this factor, so
+# superseded timers cannot accumulate (amortised O(1) per push).
+_COMPACT_FACTOR = 2
+_COMPACT_MIN = 1024
+
+
+@dataclasses.dataclass(slots=True)
+class _Backoff:
+    failures: int  # exponent of the next window
+    window_end: float  # retries inside [start, window_end) do not bump the exponent
+
+
+class WorkQueue:
+    """Deduplicating, delay-aware, per-entity-serialising work queue."""
+
+    def __init__(self, *, backoff_base: float, backoff_max: float, rng: random.Random) -> None:
+        self._backoff_base = backoff_base
+        self._backoff_max = backoff_max
+        self._rng = rng
+        self._ready: deque[str] = deque()
+        self._ready_since: dict[str, float] = {}
+        self._processing: set[str] = set()
+        self._dirty: set[str] = set()
+        self._due: dict[str, float] = {}
+        self._heap: list[tuple[float, str]] = []
+        self._backoff: dict[str, _Backoff] = {}
+        self._dead: set[str] = set()
+
+    # -- observation ---------------------------------------------------------
+
+    @property
+    def ready_count(self) -> int:
+        return len(self._ready)
+
+    @property
+    def delayed_count(self) -> int:
+        return len(self._due)
+
+    @property
+    def processing_count(self) -> int:
+        return len(self._processing)
+
+    @property
+    def dead_count(self) -> int:
+        return len(self._dead)
+
+    def is_ready(self, entity: str) -> bool:
+        return entity in self._ready_since
+
+    def is_processing(self, entity: str) -> bool:
+        return entity in self._processing
+
+    def is_dead(self, entity: str) -> bool:
+        return entity in self._dead
+
+    def due_of(self, entity: str) -> float | None:
+        return self._due.get(entity)
+
+    def failures_of(self, entity: str) -> int:
+        state = self._backoff.get(entity)
+        return state.failures if state else 0
+
+    def footprint(self) -> dict[str, int]:
+        """Sizes of every internal structure (for boundedness tests and debugging)."""
+        return {
+            "ready": len(self._ready),
+            "ready_since": len(self._ready_since),
+            "processing": len(self._processing),
+            "dirty": len(self._dirty),
+            "due": len(self._due),
+            "heap": len(self._heap),
+            "backoff": len(self._backoff),
+            "dead": len(self._dead),
+        }
+
+    # -- triggers ------------------------------------------------------------
+
+    def add(self, entity: str, now: float) -> bool:
+        """A fresh trigger: run as soon as possible. True if the entity became ready."""
+        self._dead.discard(entity)
+        self._due.pop(entity, None)  # an immediate trigger supersedes any pending delay
+        if entity in self._processing:
+            self._dirty.add(entity)
+            return False
+        if entity in self._ready_since:
+            return False
+        self._push_ready(entity, now)
+        return True
+
+    def add_after(self, entity: str, delay: float, now: float) -> None:
+        """Run no later than ``now + delay``; the earliest pending time wins."""
+        if entity in self._ready_since or entity in self._dirty:
+            return  # already due sooner than any delay
+        due = now + delay
+        current = self._due.get(entity)
+        if current is not None and current <= due:
+            return
+        self._due[entity] = due
+        heapq.heappush(self._heap, (due, entity))
+        if len(self._heap) > _COMPACT_MIN and len(self._heap) > _COMPACT_FACTOR * len(self._due):
+            self._heap = [(due, entity) for entity, due in self._due.items()]
+            heapq.heapify(self._heap)
+
+    def next_due(self) -> float | None:
+        """The earliest pending time, or None."""
+        heap = self._heap
+        while heap and self._due.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # superseded
+        return heap[0][0] if heap else None
+
+    def pop_due(self, now: float) -> int:
+        """Move every entity whose time has come to ready; returns how many became ready."""
+        became_ready = 0
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            due, entity = heapq.heappop(heap)
+            if self._due.get(entity) != due:
+                continue  # superseded
+            del self._due[entity]
+            if entity in self._processing:
+                self._dirty.add(entity)
+            elif entity not in self._ready_since:
+                self._push_ready(entity, now)
+                became_ready += 1
+        return became_ready
+
+    # -- workers -------------------------------------------------------------
+
+    def get(self) -> tuple[str, float]:
+        """Hand out the next ready entity (and when it became ready). Raises IndexError if none."""
+        entity = self._ready.popleft()
+        since = self._ready_since.pop(entity)
+        self._processing.add(entity)
+        return entity, since
+
+    def done_success(self, entity: str, now: float, requeue_after: float | None) -> None:
+        """The reconcile succeeded; requeue after ``requeue_after`` seconds, or never (None)."""
+        self._backoff.pop(entity, None)
+        self._finish(entity, now)
+        if requeue_after is not None:
+            self.add_after(entity, requeue_after, now)
+
+    def done_error(self, entity: str, now: float) -> float:
+        """A transient failure: schedule a retry with backoff; returns the delay chosen."""
+        state = self._backoff.get(entity)
+        if state is not None and now < state.window_end:
+            due = state.window_end  # a fresh-triggered run failed again in the same window
+        else:
+            failures = state.failures if state else 0
+            cap = exponential_cap(self._backoff_base, self._backoff_max, failures)
+            due = now + full_jitter(self._rng, cap)
+            self._backoff[entity] = _Backoff(failures + 1, due)
+        self._finish(entity, now)
+        self.add_after(entity, due - now, now)
+        return due - now
+
+    def done_permanent(self, entity: str, now: float) -> None:
+        """Retrying cannot help: forget the entity's timers until a fresh trigger."""
+        self._backoff.pop(entity, None)
+        self._due.pop(entity, None)
+        self._dead.add(entity)
+        self._finish(entity, now)
+
+    def done_requeue(self, entity: str, now: float) -> None:
+        """The run was interrupted (cancelled, fenced): run again, without a backoff bump."""
+        self._finish(entity, now)
+        if entity not in self._ready_since:
+            self._due.pop(entity, None)
+            self._push_ready(entity, now)
+
+    def forget(self, entity: str) -> None:
+        """Drop every trace of an entity that is not being processed."""
+        if entity in self._processing:
+            raise ValueError(f"entity {entity!r} is being processed")
+        if entity in self._ready_since:
+            del self._ready_since[entity]
+            self._ready.remove(entity)
+        self._due.pop(entity, None)
+        self._backoff.pop(entity, None)
+        self._dead.discard(entity)
+
+    # -- internals -----------------------------------------------------------
+
+    def _finish(self, entity: str, now: float) -> None:
+        self._processing.remove(entity)
+        if entity in self._dirty:
+            self._dirty.remove(entity)
+            self._dead.discard(entity)
+            self._due.pop(entity, None)  # the re-run supersedes the timer just set
+            self._push_ready(entity, now)
+
+    def _push_ready(self, entity: str, now: float) -> None:
+        self._ready.append(entity)
+        self._ready_since[entity] = now
