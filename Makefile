@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: all venv tools demo test lint unit bench clean
+.PHONY: all venv tools real-apiserver demo test lint unit bench clean
 
 all: test
 
@@ -24,6 +24,11 @@ tools: $(BIN)/kubectl $(BIN)/helm
 $(BIN)/kubectl $(BIN)/helm: | $(STAMP)
 	$(BIN)/python scripts/install_k8s_tools.py $(BIN)
 
+# The real kube-apiserver test tier: built once into ~/.cache/kopf-reconcile, then a no-op.
+# KOPF_RECONCILE_SKIP_REAL_APISERVER=1 skips it locally; under CI=true it is required.
+real-apiserver: $(STAMP)
+	$(BIN)/python scripts/real_apiserver.py
+
 demo: $(STAMP)
 	$(BIN)/kopf-reconcile demo
 
@@ -35,7 +40,7 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
 
-test: $(STAMP) tools lint
+test: $(STAMP) tools lint real-apiserver
 	$(BIN)/python scripts/run_pytest.py
 
 bench: $(STAMP) tools

@@ -1,21 +1,63 @@
 """Shared fixtures.
 
-``kube`` is a Kubernetes API backend for tests that must hold on every tier:
-the embedded emulation and (when built) the real kube-apiserver. Each backend
-offers ``.url``, ``.kubeconfig``, ``.api_client()`` and ``.http_session()``.
+``kube`` is a Kubernetes API backend for tests that must hold on every tier;
+each such test runs once per backend:
+
+- ``embedded``: the embedded emulation, fresh for each test;
+- ``real``: kube-apiserver v1.20.2 with etcd (``RealCluster``), one per test
+  session, so tests isolate themselves by namespace (``kube_namespace``).
+
+Each backend offers ``.url``, ``.kubeconfig``, ``.api_client()`` and
+``.http_session()``. Select one with ``-k embedded`` or ``-k real``. The real
+tier is required under ``CI=true``; elsewhere ``KOPF_RECONCILE_SKIP_REAL_APISERVER=1``
+skips it (see docs/testing.md).
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 import pytest_asyncio
+
+from kopf_reconcile.testing.apiserver import RealCluster, RealClusterError
+
+SKIP_REAL_VARIABLE = "KOPF_RECONCILE_SKIP_REAL_APISERVER"
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def real_cluster() -> AsyncIterator[RealCluster]:
+    """The real kube-apiserver tier, started once per test session."""
+    in_ci = os.environ.get("CI") == "true"
+    if os.environ.get(SKIP_REAL_VARIABLE) == "1" and not in_ci:
+        pytest.skip(f"real kube-apiserver tier skipped ({SKIP_REAL_VARIABLE}=1)")
+    cluster = RealCluster()
+    try:
+        await cluster.__aenter__()
+    except RealClusterError as exc:
+        hint = "it is required under CI=true" if in_ci else f"set {SKIP_REAL_VARIABLE}=1 to skip it"
+        pytest.fail(f"the real kube-apiserver tier cannot start ({hint}): {exc}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+@pytest.fixture(params=["embedded", pytest.param("real", marks=pytest.mark.real_apiserver)])
+def kube(request: pytest.FixtureRequest) -> Any:
+    """A Kubernetes API: the embedded cluster, then the real API server."""
+    fixture = "embedded_cluster" if request.param == "embedded" else "real_cluster"
+    return request.getfixturevalue(fixture)
 
 
 @pytest_asyncio.fixture
-async def kube() -> AsyncIterator[Any]:
-    from kopf_reconcile.testing.cluster import EmbeddedCluster
-
-    async with EmbeddedCluster() as cluster:
-        yield cluster
+async def kube_namespace(kube: Any) -> str:
+    """A namespace of ``kube`` that no other test uses."""
+    name = f"test-{secrets.token_hex(4)}"
+    body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    async with kube.http_session() as http, http.post("/api/v1/namespaces", json=body) as response:
+        assert response.status == 201, await response.text()
+    return name
