@@ -64,7 +64,7 @@ async def test_tls_is_verified_against_the_generated_certificate(
 @pytest.mark.real_apiserver
 @pytest.mark.skipif(not KUBECTL.exists(), reason="kubectl is installed by `make tools`")
 def test_kubeconfigs_work_with_kubectl(real_cluster: RealCluster) -> None:
-    def kubectl(kubeconfig: Path) -> subprocess.CompletedProcess[str]:
+    def kubectl(kubeconfig: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [KUBECTL, "--kubeconfig", kubeconfig, "get", "namespaces", "-o", "name"],
             capture_output=True,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 import aiohttp
 import yaml
@@ -155,14 +155,14 @@ class RealCluster:
         return f"https://127.0.0.1:{self._port}"
 
     @property
-    def kubeconfig(self) -> Path:
-        """A kubeconfig for the administrator (kubectl, kopf, kubernetes-asyncio)."""
-        return self._dir / "kubeconfig"
+    def kubeconfig(self) -> str:
+        """The path of a kubeconfig for the administrator (kubectl, kopf, kubernetes-asyncio)."""
+        return str(self._dir / "kubeconfig")
 
     @property
-    def unprivileged_kubeconfig(self) -> Path:
-        """A kubeconfig for a user who has no rights beyond discovery."""
-        return self._dir / "kubeconfig-unprivileged"
+    def unprivileged_kubeconfig(self) -> str:
+        """The path of a kubeconfig for a user who has no rights beyond discovery."""
+        return str(self._dir / "kubeconfig-unprivileged")
 
     @property
     def ca_file(self) -> Path:
@@ -179,13 +179,18 @@ class RealCluster:
         )
         return ApiClient(configuration)
 
-    def http_session(self, *, unprivileged: bool = False) -> aiohttp.ClientSession:
-        """An aiohttp session on ``url`` that authenticates and verifies TLS, for raw HTTP."""
-        return aiohttp.ClientSession(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {self._token(unprivileged)}"},
-            connector=aiohttp.TCPConnector(ssl=self._ssl_context()),
-        )
+    def http_session(self, *, unprivileged: bool = False, **kwargs: Any) -> aiohttp.ClientSession:
+        """An aiohttp session on ``url`` that authenticates and verifies TLS, for raw HTTP.
+
+        Other keyword arguments go to ``aiohttp.ClientSession``; given ``headers``
+        are sent along with the token.
+        """
+        headers = {
+            **kwargs.pop("headers", {}),
+            "Authorization": f"Bearer {self._token(unprivileged)}",
+        }
+        kwargs.setdefault("connector", aiohttp.TCPConnector(ssl=self._ssl_context()))
+        return aiohttp.ClientSession(base_url=self.url, headers=headers, **kwargs)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -352,7 +357,7 @@ class RealCluster:
             f"{self.unprivileged_token},{UNPRIVILEGED_USER},{UNPRIVILEGED_USER}\n"
         )
 
-    def _write_kubeconfig(self, path: Path, user: str, token: str) -> None:
+    def _write_kubeconfig(self, path: str, user: str, token: str) -> None:
         config = {
             "apiVersion": "v1",
             "kind": "Config",
@@ -371,4 +376,4 @@ class RealCluster:
             ],
             "current-context": f"{user}@real",
         }
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
