@@ -1,0 +1,342 @@
+"""Decoding and validation of built-in kinds and of every object's metadata.
+
+kube-apiserver rejects a body in two stages, and the embedded cluster keeps them apart:
+
+* *decoding* (400 BadRequest): the JSON does not fit the kind's Go type — a string where an
+  ``int32`` goes, a MicroTime without exactly six fractional digits. Unknown fields and
+  ``null`` optional fields are dropped silently, as decoding into a Go struct does.
+* *validation* (422 Invalid): the decoded object breaks a rule (a name that is not a DNS
+  subdomain, a non-positive ``leaseDurationSeconds``), reported as field errors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+from kopf_reconcile.testing.cluster import errors
+from kopf_reconcile.testing.cluster.errors import FieldError
+from kopf_reconcile.testing.cluster.resources import ResourceType
+
+Object = dict[str, Any]
+
+#: Go's layout of ``metav1.MicroTime``: exactly six fractional digits, always.
+MICRO_TIME_LAYOUT = "2006-01-02T15:04:05.000000Z07:00"
+_MICRO_TIME = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})(Z|[+-]\d{2}:\d{2})"
+)
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_QUALIFIED_NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+
+DNS_SUBDOMAIN_MESSAGE = (
+    "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, "
+    "'-' or '.', and must start and end with an alphanumeric character (e.g. 'example.com', "
+    "regex used for validation is "
+    "'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
+)
+DNS_LABEL_MESSAGE = (
+    "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
+    "and must start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', "
+    "regex used for validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')"
+)
+
+#: The fields of Go's ObjectMeta; anything else in ``metadata`` is dropped on decoding.
+OBJECT_META_FIELDS = frozenset(
+    {
+        "name",
+        "generateName",
+        "namespace",
+        "selfLink",
+        "uid",
+        "resourceVersion",
+        "generation",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+        "labels",
+        "annotations",
+        "ownerReferences",
+        "finalizers",
+        "clusterName",
+        "managedFields",
+    }
+)
+
+
+def format_time(moment: datetime) -> str:
+    """``metav1.Time``: RFC 3339 in UTC, whole seconds."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def format_micro_time(moment: datetime) -> str:
+    """``metav1.MicroTime``: RFC 3339 in UTC with exactly six fractional digits."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_micro_time(value: str) -> datetime:
+    """Parse as Go's ``time.Parse(RFC3339Micro, ...)`` does, or raise ValueError with its message."""
+    match = _MICRO_TIME.fullmatch(value)
+    if match is None:
+        raise ValueError(f'parsing time "{value}" as "{MICRO_TIME_LAYOUT}": cannot parse "{value}"')
+    year, month, day, hour, minute, second, micro = (int(part) for part in match.groups()[:7])
+    zone = match[8]
+    offset = timedelta(0) if zone == "Z" else _zone_offset(zone)
+    try:
+        return datetime(year, month, day, hour, minute, second, micro, tzinfo=timezone(offset))
+    except ValueError as exc:
+        raise ValueError(f'parsing time "{value}": {exc}') from None
+
+
+def _zone_offset(zone: str) -> timedelta:
+    sign = -1 if zone[0] == "-" else 1
+    hours, minutes = int(zone[1:3]), int(zone[4:6])
+    return sign * timedelta(hours=hours, minutes=minutes)
+
+
+# Decoding (400): shapes of fields as Go types.
+
+
+class DecodeError(ValueError):
+    """A body that does not fit the Go type; the message is what the server reports."""
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _mismatch(value: Any, struct: str, path: str, go_type: str) -> DecodeError:
+    return DecodeError(
+        f"json: cannot unmarshal {_type_name(value)} into Go struct field {struct}.{path} "
+        f"of type {go_type}"
+    )
+
+
+def _int32(value: Any, struct: str, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**31) <= value < 2**31:
+        raise _mismatch(value, struct, path, "int32")
+    return value
+
+
+def _string(value: Any, struct: str, path: str) -> str:
+    if not isinstance(value, str):
+        raise _mismatch(value, struct, path, "string")
+    return value
+
+
+def _string_map(value: Any, struct: str, path: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise _mismatch(value, struct, path, "map[string]string")
+    for item in value.values():
+        _string(item, struct, path)
+    return value
+
+
+def _string_list(value: Any, struct: str, path: str) -> list[str]:
+    if not isinstance(value, list):
+        raise _mismatch(value, struct, path, "[]string")
+    for item in value:
+        _string(item, struct, path)
+    return value
+
+
+def _micro_time(value: Any, struct: str, path: str) -> str:
+    if not isinstance(value, str):
+        raise _mismatch(value, struct, path, "v1.MicroTime")
+    try:
+        return format_micro_time(parse_micro_time(value))
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+
+
+def decode_metadata(body: Object) -> Object:
+    """The body with a well-typed ``metadata`` holding only ObjectMeta's fields."""
+    metadata = body.get("metadata")
+    if metadata is None:
+        return {**body, "metadata": {}}
+    if not isinstance(metadata, dict):
+        raise _mismatch(metadata, "ObjectMeta", "metadata", "v1.ObjectMeta")
+    decoded: Object = {}
+    for key, value in metadata.items():
+        if key not in OBJECT_META_FIELDS or value is None:
+            continue
+        if key in ("name", "generateName", "namespace", "uid", "resourceVersion", "selfLink"):
+            _string(value, "ObjectMeta", f"metadata.{key}")
+        elif key in ("labels", "annotations"):
+            _string_map(value, "ObjectMeta", f"metadata.{key}")
+        elif key == "finalizers":
+            _string_list(value, "ObjectMeta", "metadata.finalizers")
+        elif key in ("ownerReferences", "managedFields") and not isinstance(value, list):
+            raise _mismatch(value, "ObjectMeta", f"metadata.{key}", "[]v1.OwnerReference")
+        decoded[key] = value
+    return {**body, "metadata": decoded}
+
+
+_LeaseField = Callable[[Any, str, str], Any]
+_LEASE_SPEC_FIELDS: dict[str, _LeaseField] = {
+    "holderIdentity": _string,
+    "leaseDurationSeconds": _int32,
+    "acquireTime": _micro_time,
+    "renewTime": _micro_time,
+    "leaseTransitions": _int32,
+}
+
+
+def _decode_lease(body: Object) -> Object:
+    spec = body.get("spec")
+    if spec is None:
+        return {k: v for k, v in body.items() if k != "spec"}
+    if not isinstance(spec, dict):
+        raise _mismatch(spec, "Lease", "spec", "v1.LeaseSpec")
+    decoded = {
+        key: _LEASE_SPEC_FIELDS[key](value, "LeaseSpec", f"spec.{key}")
+        for key, value in spec.items()
+        if key in _LEASE_SPEC_FIELDS and value is not None
+    }
+    return {**body, "spec": decoded}
+
+
+def _decode_namespace(body: Object) -> Object:
+    spec = body.get("spec") or {}
+    finalizers = spec.get("finalizers")
+    if finalizers is not None:
+        _string_list(finalizers, "NamespaceSpec", "spec.finalizers")
+    return body
+
+
+_DECODERS: dict[str, Callable[[Object], Object]] = {
+    "Lease": _decode_lease,
+    "Namespace": _decode_namespace,
+}
+
+
+def decode(resource: ResourceType, body: Any) -> Object:
+    """Decode a request body into the resource's shape, or raise 400 as kube-apiserver does."""
+    target = resource.target(
+        (body.get("metadata") or {}).get("name", "") if isinstance(body, dict) else ""
+    )
+    if not isinstance(body, dict):
+        raise errors.undecodable(
+            target,
+            resource.version,
+            f"json: cannot unmarshal {_type_name(body)} into Go value of type struct",
+        )
+    kind = body.get("kind")
+    if kind is not None and kind != resource.kind:
+        raise errors.bad_request(
+            f"the kind in the body ({kind}) does not match the kind of the resource ({resource.kind})"
+        )
+    api_version = body.get("apiVersion")
+    if api_version is not None and api_version != resource.api_version:
+        raise errors.bad_request(
+            f"the API version in the data ({api_version}) does not match the expected API version "
+            f"({resource.api_version})"
+        )
+    try:
+        decoded = decode_metadata(body)
+        decoder = None if resource.custom else _DECODERS.get(resource.kind)
+        if decoder is not None:
+            decoded = decoder(decoded)
+    except DecodeError as exc:
+        raise errors.undecodable(target, resource.version, str(exc)) from None
+    rest = {k: v for k, v in decoded.items() if k not in ("apiVersion", "kind")}
+    return {"apiVersion": resource.api_version, "kind": resource.kind, **rest}
+
+
+# Validation (422): rules on decoded objects.
+
+
+def validate_name(name: str, *, label: bool) -> list[FieldError]:
+    pattern, message, limit = (
+        (_DNS_LABEL, DNS_LABEL_MESSAGE, 63)
+        if label
+        else (_DNS_SUBDOMAIN, DNS_SUBDOMAIN_MESSAGE, 253)
+    )
+    problems: list[FieldError] = []
+    if len(name) > limit:
+        problems.append(
+            FieldError.invalid("metadata.name", name, f"must be no more than {limit} characters")
+        )
+    if not pattern.fullmatch(name):
+        problems.append(FieldError.invalid("metadata.name", name, message))
+    return problems
+
+
+def _validate_qualified_key(key: str, field: str) -> list[FieldError]:
+    prefix, _, name = key.rpartition("/")
+    problems: list[FieldError] = []
+    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        problems.append(FieldError.invalid(field, key, "prefix part " + DNS_SUBDOMAIN_MESSAGE))
+    if not name or len(name) > 63 or not _QUALIFIED_NAME_PART.fullmatch(name):
+        problems.append(
+            FieldError.invalid(
+                field,
+                key,
+                "name part must consist of alphanumeric characters, '-', '_' or '.', and must "
+                "start and end with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or "
+                "'123-abc', regex used for validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')",
+            )
+        )
+    return problems
+
+
+def validate_metadata(resource: ResourceType, obj: Object) -> list[FieldError]:
+    meta = obj["metadata"]
+    problems: list[FieldError] = []
+    name = meta.get("name", "")
+    if not name:
+        problems.append(FieldError.required("metadata.name", "name or generateName is required"))
+    else:
+        problems.extend(validate_name(name, label=resource.kind == "Namespace"))
+    for key, value in (meta.get("labels") or {}).items():
+        problems.extend(_validate_qualified_key(key, "metadata.labels"))
+        if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
+            problems.append(
+                FieldError.invalid(
+                    "metadata.labels",
+                    value,
+                    "a valid label must be an empty string or consist of alphanumeric characters, "
+                    "'-', '_' or '.', and must start and end with an alphanumeric character",
+                )
+            )
+    for key in meta.get("annotations") or {}:
+        problems.extend(_validate_qualified_key(key.lower(), "metadata.annotations"))
+    for finalizer in meta.get("finalizers") or []:
+        problems.extend(_validate_qualified_key(finalizer, "metadata.finalizers"))
+    return problems
+
+
+def validate_lease(obj: Object) -> list[FieldError]:
+    spec = obj.get("spec") or {}
+    problems: list[FieldError] = []
+    duration = spec.get("leaseDurationSeconds")
+    if duration is not None and duration <= 0:
+        problems.append(
+            FieldError.invalid("spec.leaseDurationSeconds", duration, "must be greater than 0")
+        )
+    transitions = spec.get("leaseTransitions")
+    if transitions is not None and transitions < 0:
+        problems.append(
+            FieldError.invalid(
+                "spec.leaseTransitions", transitions, "must be greater than or equal to 0"
+            )
+        )
+    return problems
+
+
+def validate_builtin(resource: ResourceType, obj: Object) -> list[FieldError]:
+    if resource.kind == "Lease" and resource.group == "coordination.k8s.io":
+        return validate_lease(obj)
+    return []
