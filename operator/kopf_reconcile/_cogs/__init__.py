@@ -1,0 +1,1 @@
+"""Internal building blocks shared by several adapters; not part of the public API."""
