@@ -4,8 +4,9 @@ This is where kube-apiserver's generic registry semantics live, independent of H
 server-set metadata (``uid``, ``creationTimestamp``, ``resourceVersion``, ``generation``),
 optimistic concurrency (409 on a stale ``resourceVersion``), no-op writes that keep the
 ``resourceVersion`` and emit no event, the ``status`` subresource, graceful deletion with
-finalizers (``deletionTimestamp`` first, removal when the last finalizer goes), and the
-lifecycle of namespaces and CRDs (their contents are deleted before they disappear).
+finalizers (``deletionTimestamp`` first, removal when the last finalizer goes), and what
+kube-apiserver's own controllers do next to its registry: namespaces and CRDs empty
+themselves before they disappear, and core Events expire.
 """
 
 from __future__ import annotations
@@ -18,13 +19,42 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kopf_reconcile.testing.cluster import crds, errors, patching, validation
-from kopf_reconcile.testing.cluster.resources import ResourceRegistry, ResourceType
+from kopf_reconcile.testing.cluster.resources import ResourceRegistry, ResourceType, StorageKey
 from kopf_reconcile.testing.cluster.store import Object, Store
 
 #: Namespaces that exist in every kube-apiserver from its start.
 SYSTEM_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 
-_NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # as the apiserver's generateName uses
+NAMESPACES_KEY: StorageKey = ("", "namespaces")
+EVENTS_KEY: StorageKey = ("", "events")
+
+_NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # what generateName suffixes are made of
+
+#: Metadata only the server sets; whatever a client sends for them on create is dropped.
+_SERVER_OWNED_ON_CREATE = (
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "selfLink",
+    "managedFields",
+)
+#: Metadata an update cannot change: the stored values are kept.
+_KEPT_ON_UPDATE = (
+    "uid",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+)
+
+_PATCHERS: dict[str, Callable[[Any, Any], Any]] = {
+    patching.MERGE_PATCH: patching.merge_patch,
+    patching.JSON_PATCH: patching.json_patch,
+    patching.STRATEGIC_MERGE_PATCH: patching.strategic_merge_patch,
+}
 
 Clock = Callable[[], datetime]
 
@@ -37,20 +67,25 @@ class ResourceAPI:
     """The API verbs over a store and a registry of served resource types."""
 
     def __init__(
-        self, store: Store, registry: ResourceRegistry, *, max_events: int, clock: Clock = _utcnow
+        self,
+        store: Store,
+        registry: ResourceRegistry,
+        *,
+        max_events: int,
+        clock: Clock = _utcnow,
     ) -> None:
         self.store = store
         self.registry = registry
         self._max_events = max_events
         self._clock = clock
+        namespaces = self._namespaces()
         for name in SYSTEM_NAMESPACES:
-            self.create(self._namespaces, "", {"metadata": {"name": name}})
+            self.create(namespaces, "", {"metadata": {"name": name}})
         store.mark_history_start()
 
-    @property
     def _namespaces(self) -> ResourceType:
         resource = self.registry.get("", "v1", "namespaces")
-        assert resource is not None
+        assert resource is not None, "namespaces are built in"
         return resource
 
     # Reading.
@@ -61,7 +96,10 @@ class ResourceAPI:
             raise errors.not_found(resource.target(name))
         return obj
 
-    def list(self, resource: ResourceType, namespace: str | None) -> tuple[list[Object], int]:
+    def list_objects(
+        self, resource: ResourceType, namespace: str | None
+    ) -> tuple[list[Object], int]:
+        """The objects (of one namespace, or all) and the revision the list is consistent at."""
         return self.store.items(resource.storage_key, namespace), self.store.revision
 
     # Creating.
@@ -74,7 +112,8 @@ class ResourceAPI:
         if resource.namespaced:
             if meta.get("namespace", namespace) != namespace:
                 raise errors.bad_request(
-                    "the namespace of the provided object does not match the namespace sent on the request"
+                    "the namespace of the provided object does not match the namespace sent "
+                    "on the request"
                 )
             meta["namespace"] = namespace
         else:
@@ -82,8 +121,7 @@ class ResourceAPI:
         if not meta.get("name") and meta.get("generateName"):
             suffix = "".join(random.choices(_NAME_SUFFIX_ALPHABET, k=5))
             meta["name"] = meta["generateName"] + suffix
-        name = meta.get("name", "")
-        target = resource.target(name)
+        target = resource.target(meta.get("name", ""))
         problems = validation.validate_metadata(resource, obj)
         if not problems:
             obj = self._prepare_create(resource, obj)
@@ -92,39 +130,31 @@ class ResourceAPI:
             raise errors.invalid(target, problems)
         if resource.namespaced:
             self._check_namespace_accepts(target, namespace)
-        if self.store.get(resource.storage_key, namespace if resource.namespaced else "", name):
+        if self.store.get(resource.storage_key, meta.get("namespace", ""), meta["name"]):
             raise errors.already_exists(target)
         if dry_run:
-            return {**obj, "metadata": {**obj["metadata"], "resourceVersion": ""}}
+            return obj
         stored = self.store.put(resource.storage_key, obj, None)
         self._after_write(resource, stored)
         return stored
 
     def _prepare_create(self, resource: ResourceType, obj: Object) -> Object:
         meta = obj["metadata"]
-        for server_owned in (
-            "uid",
-            "resourceVersion",
-            "generation",
-            "deletionTimestamp",
-            "deletionGracePeriodSeconds",
-            "selfLink",
-            "managedFields",
-        ):
+        for server_owned in _SERVER_OWNED_ON_CREATE:
             meta.pop(server_owned, None)
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = validation.format_time(self._clock())
-        if resource.tracks_generation or resource.custom:
+        if resource.tracks_generation:
             meta["generation"] = 1
         if resource.custom and resource.status_subresource:
             obj.pop("status", None)
-        if resource.custom and resource.schema is not None:
+        if resource.schema is not None:
             obj = resource.schema.prune_and_default(obj)
-        if resource.kind == "Namespace" and not resource.group:
+        if resource.storage_key == NAMESPACES_KEY:
             obj["spec"] = {"finalizers": ["kubernetes"], **(obj.get("spec") or {})}
             obj["status"] = {"phase": "Active"}
         if resource.storage_key == crds.CRD_KEY:
-            obj = crds.with_status(obj)
+            obj = crds.with_defaults_and_status(obj, self._clock())
         return obj
 
     def _validate(self, resource: ResourceType, obj: Object) -> list[errors.FieldError]:
@@ -135,13 +165,14 @@ class ResourceAPI:
         return validation.validate_builtin(resource, obj)
 
     def _check_namespace_accepts(self, target: errors.Target, namespace: str) -> None:
-        ns = self.store.get(self._namespaces.storage_key, "", namespace)
+        ns = self.store.get(NAMESPACES_KEY, "", namespace)
         if ns is None:
-            raise errors.not_found(self._namespaces.target(namespace))
+            raise errors.not_found(self._namespaces().target(namespace))
         if ns["metadata"].get("deletionTimestamp"):
             raise errors.forbidden(
                 target,
-                f"unable to create new content in namespace {namespace} because it is being terminated",
+                f"unable to create new content in namespace {namespace} "
+                "because it is being terminated",
             )
 
     # Updating.
@@ -155,10 +186,17 @@ class ResourceAPI:
         *,
         subresource: str = "",
         dry_run: bool = False,
-    ) -> Object:
-        return self._update(
+    ) -> tuple[Object, bool]:
+        """PUT: the new state, and whether it was created (Leases and Events allow that)."""
+        exists = self.store.get(resource.storage_key, namespace, name) is not None
+        if not exists and resource.create_on_update and not subresource:
+            if isinstance(body, dict) and (body.get("metadata") or {}).get("name", name) != name:
+                raise errors.bad_request(_name_mismatch(body["metadata"]["name"], name))
+            return self.create(resource, namespace, body, dry_run=dry_run), True
+        updated = self._update(
             resource, namespace, name, lambda _: body, subresource=subresource, dry_run=dry_run
         )
+        return updated, False
 
     def patch(
         self,
@@ -171,18 +209,20 @@ class ResourceAPI:
         subresource: str = "",
         dry_run: bool = False,
     ) -> Object:
-        apply: Callable[[Object], Any]
-        if content_type == patching.MERGE_PATCH:
-            apply = lambda current: patching.merge_patch(current, patch)  # noqa: E731
-        elif content_type == patching.JSON_PATCH:
-            apply = lambda current: patching.json_patch(current, patch)  # noqa: E731
-        elif content_type == patching.STRATEGIC_MERGE_PATCH and not resource.custom:
-            apply = lambda current: patching.strategic_merge_patch(current, patch)  # noqa: E731
-        else:
+        patcher = _PATCHERS.get(content_type)
+        # Strategic merge needs Go struct tags: custom resources refuse it (kubectl falls back).
+        if patcher is None or (resource.custom and content_type == patching.STRATEGIC_MERGE_PATCH):
             accepted = [patching.JSON_PATCH, patching.MERGE_PATCH]
             if not resource.custom:
                 accepted.append(patching.STRATEGIC_MERGE_PATCH)
             raise errors.unsupported_patch_type(accepted)
+
+        def apply(current: Object) -> Any:
+            try:
+                return patcher(current, patch)
+            except patching.PatchFailed:
+                raise errors.patch_rejected() from None
+
         return self._update(
             resource, namespace, name, apply, subresource=subresource, dry_run=dry_run
         )
@@ -202,12 +242,11 @@ class ResourceAPI:
         obj = validation.decode(resource, compute(copy.deepcopy(current)))
         meta = obj["metadata"]
         if meta.get("name", name) != name:
-            raise errors.bad_request(
-                f"the name of the object ({meta['name']}) does not match the name on the URL ({name})"
-            )
+            raise errors.bad_request(_name_mismatch(meta["name"], name))
         if resource.namespaced and meta.get("namespace", namespace) != namespace:
             raise errors.bad_request(
-                "the namespace of the provided object does not match the namespace sent on the request"
+                "the namespace of the provided object does not match the namespace sent "
+                "on the request"
             )
         requested_version = meta.get("resourceVersion")
         if requested_version and requested_version != current["metadata"]["resourceVersion"]:
@@ -216,7 +255,7 @@ class ResourceAPI:
         problems = validation.validate_metadata(resource, obj) + self._validate(resource, obj)
         if problems:
             raise errors.invalid(target, problems)
-        if _same(obj, current):
+        if obj == current:
             return current  # kube-apiserver skips no-op writes: same resourceVersion, no event
         if dry_run:
             return obj
@@ -236,13 +275,7 @@ class ResourceAPI:
         meta["name"] = old_meta["name"]
         if resource.namespaced:
             meta["namespace"] = old_meta["namespace"]
-        for kept in (
-            "uid",
-            "creationTimestamp",
-            "deletionTimestamp",
-            "deletionGracePeriodSeconds",
-            "generation",
-        ):
+        for kept in _KEPT_ON_UPDATE:
             if kept in old_meta:
                 meta[kept] = old_meta[kept]
             else:
@@ -251,21 +284,15 @@ class ResourceAPI:
         meta.pop("selfLink", None)
         meta["resourceVersion"] = old_meta["resourceVersion"]
         if subresource == "status":
-            # Only the status changes through the status subresource; the rest is kept.
-            obj = (
-                {**copy.deepcopy(current), "status": obj["status"]}
-                if "status" in obj
-                else {k: v for k, v in copy.deepcopy(current).items() if k != "status"}
-            )
+            # Through the status subresource only the status changes; the rest is kept.
+            obj = _with_status_of(current, obj)
         elif resource.status_subresource:
-            # ...and the main resource ignores status changes when a status subresource exists.
-            obj = {k: v for k, v in obj.items() if k != "status"}
-            if "status" in current:
-                obj["status"] = copy.deepcopy(current["status"])
-        if resource.custom and resource.schema is not None:
+            # ...and the main resource ignores status changes when that subresource exists.
+            obj = _with_status_of(obj, current)
+        if resource.schema is not None:
             obj = resource.schema.prune_and_default(obj)
         if resource.storage_key == crds.CRD_KEY:
-            obj = crds.with_status(obj)
+            obj = crds.with_defaults_and_status(obj, self._clock())
         if "generation" in obj["metadata"] and _spec_changed(resource, obj, current):
             obj["metadata"]["generation"] = current["metadata"]["generation"] + 1
         return obj
@@ -283,36 +310,37 @@ class ResourceAPI:
     ) -> tuple[Object, bool]:
         """Delete an object, or start its graceful deletion.
 
-        Returns the object's last state and whether it is gone (False: it waits for finalizers).
+        Returns its last state and whether it is gone (False: it waits for finalizers).
         """
         target = resource.target(name)
         current = self.get(resource, namespace, name)
         meta = current["metadata"]
-        for field, value in (preconditions or {}).items():
-            actual = meta.get("uid" if field == "uid" else "resourceVersion")
-            if value is not None and value != actual:
-                label = "UID" if field == "uid" else "ResourceVersion"
+        for field, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            expected = (preconditions or {}).get(field)
+            if expected is not None and expected != meta.get(field):
                 raise errors.conflict(
                     target,
-                    f"Precondition failed: {label} in precondition: {value}, {label} in object meta: {actual}",
+                    f"Precondition failed: {label} in precondition: {expected}, "
+                    f"{label} in object meta: {meta.get(field)}",
                 )
-        if dry_run:
-            return current, not self._needs_finalization(resource, current)
-        if meta.get("deletionTimestamp"):
-            return current, False
-        if not self._needs_finalization(resource, current):
+        finalized = self._needs_finalization(resource, current)
+        if dry_run or meta.get("deletionTimestamp"):
+            return current, False if meta.get("deletionTimestamp") else not finalized
+        if not finalized:
             gone = self.store.remove(resource.storage_key, current)
             self._after_removal(resource, gone)
             return gone, True
         terminating = copy.deepcopy(current)
-        terminating["metadata"]["deletionTimestamp"] = validation.format_time(self._clock())
-        terminating["metadata"]["deletionGracePeriodSeconds"] = 0
-        if "generation" in terminating["metadata"]:
-            terminating["metadata"]["generation"] += 1
-        if resource.kind == "Namespace" and not resource.group:
+        terminating_meta = terminating["metadata"]
+        terminating_meta["deletionTimestamp"] = validation.format_time(self._clock())
+        if resource.storage_key == NAMESPACES_KEY:
             terminating["status"] = {**terminating.get("status", {}), "phase": "Terminating"}
+        else:
+            terminating_meta["deletionGracePeriodSeconds"] = 0
+        if "generation" in terminating_meta:
+            terminating_meta["generation"] += 1
         if resource.storage_key == crds.CRD_KEY:
-            terminating = crds.terminating(terminating)
+            terminating = crds.with_defaults_and_status(terminating, self._clock())
         stored = self.store.put(resource.storage_key, terminating, current)
         self._after_write(resource, stored)
         return stored, False
@@ -320,28 +348,22 @@ class ResourceAPI:
     def _needs_finalization(self, resource: ResourceType, obj: Object) -> bool:
         if obj["metadata"].get("finalizers"):
             return True
-        if resource.kind == "Namespace" and not resource.group:
-            return True  # the namespace controller empties it first
-        return resource.storage_key == crds.CRD_KEY  # the CRD finalizer deletes its objects first
+        # A namespace is emptied by its controller, a CRD's objects by the CRD finalizer.
+        return resource.storage_key in (NAMESPACES_KEY, crds.CRD_KEY)
 
     # Consequences of writes: the controllers kube-apiserver runs next to its registry.
 
     def _after_write(self, resource: ResourceType, stored: Object) -> None:
         key = resource.storage_key
-        if key == crds.CRD_KEY:
-            name = stored["metadata"]["name"]
-            if stored["metadata"].get("deletionTimestamp"):
-                self._finalize_crd(stored)
-            else:
-                self.registry.define(name, crds.resource_types(stored))
-        elif (
-            resource.kind == "Namespace"
-            and not resource.group
-            and stored["metadata"].get("deletionTimestamp")
-        ):
+        terminating = bool(stored["metadata"].get("deletionTimestamp"))
+        if key == crds.CRD_KEY and terminating:
+            self._finalize_crd(stored)
+        elif key == crds.CRD_KEY:
+            self.registry.define(stored["metadata"]["name"], crds.resource_types(stored))
+        elif key == NAMESPACES_KEY and terminating:
             self._finalize_namespace(stored["metadata"]["name"])
-        elif resource.kind == "Event" and not resource.group:
-            self._evict_old_events(resource)
+        elif key == EVENTS_KEY:
+            self._evict_old_events()
 
     def _after_removal(self, resource: ResourceType, gone: Object) -> None:
         if resource.storage_key == crds.CRD_KEY:
@@ -354,7 +376,7 @@ class ResourceAPI:
             self._reap_crd(resource)
 
     def _finalize_namespace(self, namespace: str) -> None:
-        for resource in self._storage_types():
+        for resource in self._one_type_per_storage():
             if resource.namespaced:
                 for obj in self.store.items(resource.storage_key, namespace):
                     if not obj["metadata"].get("deletionTimestamp"):
@@ -362,51 +384,62 @@ class ResourceAPI:
         self._reap_namespace(namespace)
 
     def _reap_namespace(self, namespace: str) -> None:
-        ns = self.store.get(self._namespaces.storage_key, "", namespace)
+        ns = self.store.get(NAMESPACES_KEY, "", namespace)
         if (
             ns is not None
             and ns["metadata"].get("deletionTimestamp")
+            and not ns["metadata"].get("finalizers")
             and self.store.namespace_is_empty(namespace)
         ):
-            if not ns["metadata"].get("finalizers"):
-                self.store.remove(self._namespaces.storage_key, ns)
+            self.store.remove(NAMESPACES_KEY, ns)
 
     def _finalize_crd(self, crd: Object) -> None:
-        for resource in crds.resource_types(crd)[:1]:
-            for obj in self.store.items(resource.storage_key):
-                if not obj["metadata"].get("deletionTimestamp"):
-                    self.delete(
-                        resource, obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
-                    )
-            self._reap_crd(resource)
+        resource = crds.storage_type(crd)
+        for obj in self.store.items(resource.storage_key):
+            meta = obj["metadata"]
+            if not meta.get("deletionTimestamp"):
+                self.delete(resource, meta.get("namespace", ""), meta["name"])
+        self._reap_crd_named(crd["metadata"]["name"])
 
     def _reap_crd(self, resource: ResourceType) -> None:
-        crd_name = f"{resource.plural}.{resource.group}"
+        self._reap_crd_named(f"{resource.plural}.{resource.group}")
+
+    def _reap_crd_named(self, crd_name: str) -> None:
         crd = self.store.get(crds.CRD_KEY, "", crd_name)
         if crd is None or not crd["metadata"].get("deletionTimestamp"):
             return
-        if not self.store.items(resource.storage_key) and not crd["metadata"].get("finalizers"):
-            gone = self.store.remove(crds.CRD_KEY, crd)
-            self.registry.undefine(gone["metadata"]["name"])
+        if crd["metadata"].get("finalizers") or self.store.count(
+            crds.storage_type(crd).storage_key
+        ):
+            return
+        gone = self.store.remove(crds.CRD_KEY, crd)
+        self.registry.undefine(gone["metadata"]["name"])
 
-    def _evict_old_events(self, resource: ResourceType) -> None:
+    def _evict_old_events(self) -> None:
         # Events expire in kube-apiserver (1 h TTL); a count bound keeps memory flat here.
-        while self.store.count(resource.storage_key) > self._max_events:
-            oldest = self.store.oldest(resource.storage_key)
+        while self.store.count(EVENTS_KEY) > self._max_events:
+            oldest = self.store.oldest(EVENTS_KEY)
             if oldest is None:
                 break
-            self.store.remove(resource.storage_key, oldest)
+            self.store.remove(EVENTS_KEY, oldest)
 
-    def _storage_types(self) -> list[ResourceType]:
-        """One served type per stored resource (the first version of each)."""
-        seen: dict[tuple[str, str], ResourceType] = {}
+    def _one_type_per_storage(self) -> list[ResourceType]:
+        seen: dict[StorageKey, ResourceType] = {}
         for resource in self.registry:
             seen.setdefault(resource.storage_key, resource)
         return list(seen.values())
 
 
-def _same(new: Object, old: Object) -> bool:
-    return new == old
+def _name_mismatch(body_name: str, url_name: str) -> str:
+    return f"the name of the object ({body_name}) does not match the name on the URL ({url_name})"
+
+
+def _with_status_of(base: Object, source: Object) -> Object:
+    """``base`` with the ``status`` of ``source`` (or without one if ``source`` has none)."""
+    result = {k: v for k, v in copy.deepcopy(base).items() if k != "status"}
+    if "status" in source:
+        result["status"] = copy.deepcopy(source["status"])
+    return result
 
 
 def _spec_changed(resource: ResourceType, new: Object, old: Object) -> bool:

@@ -4,13 +4,14 @@ Applying a CRD makes its served versions available at once (the embedded cluster
 controller delay): the stored object carries the ``NamesAccepted`` and ``Established``
 conditions kube-apiserver's controllers would set, ``acceptedNames`` and ``storedVersions``.
 Deleting a CRD marks it ``Terminating``; its objects are deleted (honouring their
-finalizers) and the CRD disappears with the last of them.
+finalizers) and the CRD disappears with the last of them, as with kube-apiserver's
+``customresourcecleanup.apiextensions.k8s.io`` finalizer.
 """
 
 from __future__ import annotations
 
 import copy
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from kopf_reconcile.testing.cluster.errors import FieldError
@@ -93,9 +94,9 @@ def _accepted_names(spec: Object) -> Object:
     return names
 
 
-def _condition(previous: list[Object], type_: str, reason: str, message: str) -> Object:
+def _condition(previous: list[Object], type_: str, reason: str, message: str, now: str) -> Object:
     old = next((c for c in previous if c.get("type") == type_ and c.get("status") == "True"), None)
-    since = old["lastTransitionTime"] if old else format_time(datetime.now(UTC))
+    since = old["lastTransitionTime"] if old else now
     return {
         "type": type_,
         "status": "True",
@@ -105,17 +106,23 @@ def _condition(previous: list[Object], type_: str, reason: str, message: str) ->
     }
 
 
-def with_status(crd: Object) -> Object:
-    """The CRD with the status its controllers would give it once names are accepted."""
+def with_defaults_and_status(crd: Object, now: datetime) -> Object:
+    """The CRD with its defaulted spec and the status its controllers would give it."""
     result = copy.deepcopy(crd)
-    spec = result.get("spec") or {}
+    spec = result.setdefault("spec", {})
     spec["names"] = _accepted_names(spec)
+    spec.setdefault("conversion", {"strategy": "None"})
     status = result.get("status") or {}
     previous = status.get("conditions") or []
+    moment = format_time(now)
     conditions = [
-        _condition(previous, "NamesAccepted", "NoConflicts", "no conflicts found"),
+        _condition(previous, "NamesAccepted", "NoConflicts", "no conflicts found", moment),
         _condition(
-            previous, "Established", "InitialNamesAccepted", "the initial names have been accepted"
+            previous,
+            "Established",
+            "InitialNamesAccepted",
+            "the initial names have been accepted",
+            moment,
         ),
     ]
     if result["metadata"].get("deletionTimestamp"):
@@ -125,6 +132,7 @@ def with_status(crd: Object) -> Object:
                 "Terminating",
                 "InstanceDeletionInProgress",
                 "CustomResource deletion is in progress",
+                moment,
             )
         )
     stored = list(status.get("storedVersions") or [])
@@ -139,48 +147,54 @@ def with_status(crd: Object) -> Object:
     return result
 
 
-def terminating(crd: Object) -> Object:
-    """The CRD once its deletion started (``deletionTimestamp`` is set by the caller)."""
-    return with_status(crd)
+def _version_type(spec: Object, version: Object, storage: str) -> ResourceType:
+    names = _accepted_names(spec)
+    schema = (version.get("schema") or {}).get("openAPIV3Schema")
+    return ResourceType(
+        group=spec["group"],
+        version=version["name"],
+        plural=names["plural"],
+        singular=names["singular"],
+        kind=names["kind"],
+        namespaced=spec.get("scope") == "Namespaced",
+        short_names=tuple(names.get("shortNames") or ()),
+        categories=tuple(names.get("categories") or ()),
+        status_subresource="status" in (version.get("subresources") or {}),
+        tracks_generation=True,
+        custom=True,
+        schema=StructuralSchema(schema) if isinstance(schema, dict) else None,
+        printer_columns=tuple(
+            PrinterColumn(
+                name=column.get("name", ""),
+                type=column.get("type", "string"),
+                json_path=column.get("jsonPath", ""),
+                description=column.get("description", ""),
+                priority=int(column.get("priority", 0)),
+                format=column.get("format", ""),
+            )
+            for column in version.get("additionalPrinterColumns") or ()
+        ),
+        storage_version=storage,
+    )
+
+
+def _storage_version(spec: Object) -> Object:
+    return next(v for v in spec["versions"] if v.get("storage"))
 
 
 def resource_types(crd: Object) -> tuple[ResourceType, ...]:
     """The resource types a CRD serves: one per served version."""
     spec = crd["spec"]
-    names = _accepted_names(spec)
-    versions = spec.get("versions") or []
-    storage = next((v["name"] for v in versions if v.get("storage")), "")
-    served: list[ResourceType] = []
-    for version in versions:
-        if not version.get("served", True):
-            continue
-        schema = (version.get("schema") or {}).get("openAPIV3Schema")
-        served.append(
-            ResourceType(
-                group=spec["group"],
-                version=version["name"],
-                plural=names["plural"],
-                singular=names["singular"],
-                kind=names["kind"],
-                namespaced=spec.get("scope") == "Namespaced",
-                short_names=tuple(names.get("shortNames") or ()),
-                categories=tuple(names.get("categories") or ()),
-                status_subresource="status" in (version.get("subresources") or {}),
-                tracks_generation=True,
-                custom=True,
-                schema=StructuralSchema(schema) if isinstance(schema, dict) else None,
-                printer_columns=tuple(
-                    PrinterColumn(
-                        name=column.get("name", ""),
-                        type=column.get("type", "string"),
-                        json_path=column.get("jsonPath", ""),
-                        description=column.get("description", ""),
-                        priority=int(column.get("priority", 0)),
-                        format=column.get("format", ""),
-                    )
-                    for column in version.get("additionalPrinterColumns") or ()
-                ),
-                storage_version=storage,
-            )
-        )
-    return tuple(served)
+    storage = _storage_version(spec)["name"]
+    return tuple(
+        _version_type(spec, version, storage)
+        for version in spec["versions"]
+        if version.get("served")
+    )
+
+
+def storage_type(crd: Object) -> ResourceType:
+    """The type of a CRD's storage version, served or not (what its objects are kept as)."""
+    spec = crd["spec"]
+    storage = _storage_version(spec)
+    return _version_type(spec, storage, storage["name"])

@@ -185,9 +185,9 @@ def resource_not_served() -> ApiError:
     return ApiError(404, "the server could not find the requested resource", "NotFound", {})
 
 
-def method_not_allowed(method: str, target: Target) -> ApiError:
-    message = f"{method} is not supported on resources of kind {target.group_resource!r}"
-    return ApiError(405, message, "MethodNotAllowed", _details(target))
+def method_not_allowed() -> ApiError:
+    message = "the server does not allow this method on the requested resource"
+    return ApiError(405, message, "MethodNotAllowed", {})
 
 
 def unsupported_patch_type(accepted: Iterable[str]) -> ApiError:
@@ -196,6 +196,12 @@ def unsupported_patch_type(accepted: Iterable[str]) -> ApiError:
         + ", ".join(accepted)
     )
     return ApiError(415, message, "UnsupportedMediaType")
+
+
+def patch_rejected() -> ApiError:
+    """A JSON patch that cannot apply: kube-apiserver v1.20 gives no detail beyond this."""
+    message = "the server rejected our request due to an error in our request"
+    return ApiError(422, message, "Invalid", {})
 
 
 def expired(message: str) -> ApiError:

@@ -1,8 +1,9 @@
 """PATCH bodies: JSON merge patch (RFC 7386), JSON patch (RFC 6902) and strategic merge patch.
 
 The functions take the current object and the decoded patch and return a new object; they
-never mutate their inputs. Failures of a JSON patch (a failed ``test``, a missing path) are
-422 like kube-apiserver's; an undecodable patch is 400.
+never mutate their inputs. A JSON patch that cannot apply (a failed ``test``, a missing
+path) raises :class:`PatchFailed`, answered with 422 like kube-apiserver does; an
+undecodable patch is 400.
 
 Strategic merge patch is applied as a merge patch with its ``$``-directives removed. That is
 exact for every field whose Go type has no ``patchMergeKey`` (all of Lease, Namespace,
@@ -61,19 +62,19 @@ def json_patch(target: Any, operations: Any) -> Any:
     return document
 
 
-def _unprocessable(message: str) -> errors.ApiError:
-    return errors.ApiError(422, message, "Invalid", {"causes": [{"message": message}]})
+class PatchFailed(ValueError):
+    """A JSON patch operation that cannot be applied (kube-apiserver answers 422)."""
 
 
 def _apply_operation(document: Any, operation: dict[str, Any]) -> Any:
     op = operation.get("op")
     path = operation.get("path")
     if not isinstance(path, str):
-        raise _unprocessable(f"operation {op!r} is missing a path")
+        raise PatchFailed(f"operation {op!r} is missing a path")
     if op == "test":
         actual = _get(document, _parse_pointer(path), path)
         if not _json_equal(actual, operation.get("value")):
-            raise _unprocessable(f"testing value {path} failed: test failed")
+            raise PatchFailed(f"testing value {path} failed: test failed")
         return document
     if op == "remove":
         return _remove(document, _parse_pointer(path), path)
@@ -86,17 +87,17 @@ def _apply_operation(document: Any, operation: dict[str, Any]) -> Any:
     if op in ("move", "copy"):
         source = operation.get("from")
         if not isinstance(source, str):
-            raise _unprocessable(f"operation {op!r} is missing a from path")
+            raise PatchFailed(f"operation {op!r} is missing a from path")
         value = copy.deepcopy(_get(document, _parse_pointer(source), source))
         if op == "move":
             document = _remove(document, _parse_pointer(source), source)
         return _add(document, _parse_pointer(path), value, path)
-    raise _unprocessable(f"Unexpected kind: {op}")
+    raise PatchFailed(f"Unexpected kind: {op}")
 
 
 def _value(operation: dict[str, Any]) -> Any:
     if "value" not in operation:
-        raise _unprocessable(f"operation {operation.get('op')!r} is missing a value")
+        raise PatchFailed(f"operation {operation.get('op')!r} is missing a value")
     return copy.deepcopy(operation["value"])
 
 
@@ -104,7 +105,7 @@ def _parse_pointer(path: str) -> list[str]:
     if path == "":
         return []
     if not path.startswith("/"):
-        raise _unprocessable(f"invalid JSON pointer: {path!r}")
+        raise PatchFailed(f"invalid JSON pointer: {path!r}")
     return [token.replace("~1", "/").replace("~0", "~") for token in path[1:].split("/")]
 
 
@@ -112,10 +113,10 @@ def _index(container: list[Any], token: str, path: str, *, for_insert: bool) -> 
     if token == "-" and for_insert:
         return len(container)
     if not token.isdigit() or (len(token) > 1 and token.startswith("0")):
-        raise _unprocessable(f"invalid array index {token!r} in {path}")
+        raise PatchFailed(f"invalid array index {token!r} in {path}")
     index = int(token)
     if index > len(container) or (index == len(container) and not for_insert):
-        raise _unprocessable(f"array index out of bounds in {path}")
+        raise PatchFailed(f"array index out of bounds in {path}")
     return index
 
 
@@ -124,14 +125,14 @@ def _get(document: Any, tokens: list[str], path: str) -> Any:
     for token in tokens:
         if isinstance(current, dict):
             if token not in current:
-                raise _unprocessable(
+                raise PatchFailed(
                     f"unable to get nonexistent key: {token}: missing value in {path}"
                 )
             current = current[token]
         elif isinstance(current, list):
             current = current[_index(current, token, path, for_insert=False)]
         else:
-            raise _unprocessable(f"doc is missing path: {path}: missing value")
+            raise PatchFailed(f"doc is missing path: {path}: missing value")
     return current
 
 
@@ -145,7 +146,7 @@ def _add(document: Any, tokens: list[str], value: Any, path: str) -> Any:
     elif isinstance(parent, list):
         parent.insert(_index(parent, last, path, for_insert=True), value)
     else:
-        raise _unprocessable(f"doc is missing path: {path}: missing value")
+        raise PatchFailed(f"doc is missing path: {path}: missing value")
     return document
 
 
@@ -156,12 +157,12 @@ def _remove(document: Any, tokens: list[str], path: str) -> Any:
     last = tokens[-1]
     if isinstance(parent, dict):
         if last not in parent:
-            raise _unprocessable(f"Unable to remove nonexistent key: {last}: missing value")
+            raise PatchFailed(f"Unable to remove nonexistent key: {last}: missing value")
         del parent[last]
     elif isinstance(parent, list):
         del parent[_index(parent, last, path, for_insert=False)]
     else:
-        raise _unprocessable(f"doc is missing path: {path}: missing value")
+        raise PatchFailed(f"doc is missing path: {path}: missing value")
     return document
 
 

@@ -10,6 +10,7 @@ converts between versions of a CRD the way the ``None`` conversion strategy does
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ class ResourceType:
     status_subresource: bool = False
     #: ``metadata.generation`` is set to 1 on create and bumped on every spec change.
     tracks_generation: bool = False
+    #: PUT of a missing object creates it (true for Leases and Events in kube-apiserver).
+    create_on_update: bool = False
     #: Served from a CustomResourceDefinition (unstructured objects, schema-validated).
     custom: bool = False
     schema: StructuralSchema | None = field(default=None, compare=False)
@@ -114,7 +117,7 @@ class ResourceType:
 def _storage_hash(resource: ResourceType) -> str:
     # Only its stability matters to clients (they compare it across discovery calls).
     seed = f"{resource.group}/{resource.storage_version}/{resource.kind}".encode()
-    return hashlib.sha256(seed).hexdigest()[:11]
+    return base64.b64encode(hashlib.sha256(seed).digest()[:8]).decode()
 
 
 BUILTIN_TYPES: tuple[ResourceType, ...] = (
@@ -138,6 +141,7 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         kind="Event",
         namespaced=True,
         short_names=("ev",),
+        create_on_update=True,
         storage_version="v1",
     ),
     ResourceType(
@@ -166,6 +170,7 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         singular="lease",
         kind="Lease",
         namespaced=True,
+        create_on_update=True,
         storage_version="v1",
     ),
     ResourceType(
@@ -213,9 +218,6 @@ class ResourceRegistry:
 
     def in_group_version(self, group: str, version: str) -> list[ResourceType]:
         return [r for r in self._types.values() if r.group == group and r.version == version]
-
-    def by_storage_key(self, key: StorageKey) -> list[ResourceType]:
-        return [r for r in self._types.values() if r.storage_key == key]
 
     def define(self, crd_name: str, resources: tuple[ResourceType, ...]) -> None:
         """Serve the versions of a CRD (replacing what an earlier revision of it served)."""

@@ -139,9 +139,8 @@ def parse_field_selector(selector: str, kind: str, custom: bool) -> Predicate | 
             )
         field, op, value = match.groups()
         if field not in allowed:
-            raise errors.bad_request(
-                f'"{field}" is not a known field selector: only "{", ".join(allowed)}"'
-            )
+            known = ", ".join(f'"{name}"' for name in allowed)
+            raise errors.bad_request(f'"{field}" is not a known field selector: only {known}')
         checks.append((allowed[field].split("."), op != "!=", value))
     if not checks:
         return None

@@ -169,6 +169,8 @@ class ApiServer:
     async def _group_resources(self, request: web.Request) -> web.StreamResponse:
         info = request.match_info
         document = discovery.resource_list(self.api.registry, info["group"], info["version"])
+        if document is None and discovery.group(self.api.registry, info["group"]) is not None:
+            raise errors.resource_not_served()  # a known group: a Status, not a plain 404
         if document is None:
             raise web.HTTPNotFound(text="404 page not found")
         return json_response(document)
@@ -216,7 +218,9 @@ class ApiServer:
         namespace = address.namespace or ""
         method = request.method
         dry_run = request.query.get("dryRun") == "All"
-        if resource.namespaced and address.namespace is None and (name or method not in ("GET",)):
+        if resource.namespaced and address.namespace is None and method != "GET":
+            raise errors.method_not_allowed()  # the all-namespaces path only lists and watches
+        if resource.namespaced and address.namespace is None and name:
             raise errors.resource_not_served()
         if method == "GET" and not name:
             if _flag(request.query.get("watch")):
@@ -231,10 +235,10 @@ class ApiServer:
             return self._render(request, resource, created, status=201)
         if method == "PUT" and name:
             body = await _read_body(request)
-            replaced = self.api.replace(
+            replaced, created = self.api.replace(
                 resource, namespace, name, body, subresource=address.subresource, dry_run=dry_run
             )
-            return self._render(request, resource, replaced)
+            return self._render(request, resource, replaced, status=201 if created else 200)
         if method == "PATCH" and name:
             content_type = request.content_type
             if content_type not in (
@@ -263,7 +267,7 @@ class ApiServer:
             return json_response(_deleted_status(resource, obj))
         if method == "DELETE" and not name:
             return self._delete_collection(request, resource, namespace, dry_run=dry_run)
-        raise errors.method_not_allowed(method, resource.target(name))
+        raise errors.method_not_allowed()
 
     def _render(
         self, request: web.Request, resource: ResourceType, obj: Object, status: int = 200
@@ -286,7 +290,7 @@ class ApiServer:
         self, request: web.Request, resource: ResourceType, namespace: str | None
     ) -> web.StreamResponse:
         matches = self._filters(request, resource, namespace)
-        items, revision = self.api.list(resource, namespace)
+        items, revision = self.api.list_objects(resource, namespace)
         items = [obj for obj in items if matches(obj)]
         metadata: dict[str, Any] = {"resourceVersion": str(revision)}
         token = request.query.get("continue")
@@ -315,7 +319,9 @@ class ApiServer:
         self, request: web.Request, resource: ResourceType, namespace: str, *, dry_run: bool
     ) -> web.StreamResponse:
         matches = self._filters(request, resource, namespace if resource.namespaced else None)
-        items, revision = self.api.list(resource, namespace if resource.namespaced else None)
+        items, revision = self.api.list_objects(
+            resource, namespace if resource.namespaced else None
+        )
         deleted = []
         for obj in items:
             if matches(obj):

@@ -17,7 +17,15 @@ from kopf_reconcile.testing.cluster.resources import PrinterColumn, ResourceType
 Object = dict[str, Any]
 
 _NAME = PrinterColumn(
-    "Name", "string", ".metadata.name", "Name must be unique within a namespace.", format="name"
+    "Name",
+    "string",
+    ".metadata.name",
+    "Name must be unique within a namespace. Is required when creating resources, although "
+    "some resources may allow a client to request the generation of an appropriate name "
+    "automatically. Name is primarily intended for creation idempotence and configuration "
+    "definition. Cannot be updated. More info: "
+    "http://kubernetes.io/docs/user-guide/identifiers#names",
+    format="name",
 )
 _AGE = PrinterColumn(
     "Age",
@@ -26,7 +34,14 @@ _AGE = PrinterColumn(
     "CreationTimestamp is a timestamp representing the server time when this object was created.",
 )
 _BUILTIN_COLUMNS: dict[tuple[str, str], tuple[PrinterColumn, ...]] = {
-    ("coordination.k8s.io", "Lease"): (PrinterColumn("Holder", "string", ".spec.holderIdentity"),),
+    ("coordination.k8s.io", "Lease"): (
+        PrinterColumn(
+            "Holder",
+            "string",
+            ".spec.holderIdentity",
+            "holderIdentity contains the identity of the holder of a current lease.",
+        ),
+    ),
     ("", "Namespace"): (PrinterColumn("Status", "string", ".status.phase"),),
     ("apiextensions.k8s.io", "CustomResourceDefinition"): (),
 }

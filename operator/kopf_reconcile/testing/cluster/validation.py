@@ -195,9 +195,7 @@ _LEASE_SPEC_FIELDS: dict[str, _LeaseField] = {
 
 
 def _decode_lease(body: Object) -> Object:
-    spec = body.get("spec")
-    if spec is None:
-        return {k: v for k, v in body.items() if k != "spec"}
+    spec = body.get("spec") or {}  # a struct in Go: always present, maybe empty
     if not isinstance(spec, dict):
         raise _mismatch(spec, "Lease", "spec", "v1.LeaseSpec")
     decoded = {
