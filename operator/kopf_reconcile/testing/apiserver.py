@@ -311,15 +311,18 @@ class RealCluster:
         return client_url
 
     async def _wait_until_ready(self, apiserver: _Process) -> None:
+        """Ready, and bootstrapped: ``/readyz`` does not wait for the ``default`` namespace."""
         headers = {"Authorization": f"Bearer {self.admin_token}"}
 
         async def ready(session: aiohttp.ClientSession) -> bool:
             if not self.ca_file.exists():  # written once the server has generated it
                 return False
-            async with session.get(
-                f"{self.url}/readyz", headers=headers, ssl=self._ssl_context()
-            ) as response:
-                return response.status == 200
+            tls = self._ssl_context()
+            for path in ("/readyz", "/api/v1/namespaces/default"):
+                async with session.get(f"{self.url}{path}", headers=headers, ssl=tls) as response:
+                    if response.status != 200:
+                        return False
+            return True
 
         await self._poll_until(apiserver, ready)
 
