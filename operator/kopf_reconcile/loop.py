@@ -132,7 +132,11 @@ class Loop:
         self._name, self._reconcile = as_reconcile_fn(config.reconciler)
         if config.name is not None:
             self._name = config.name
-        self._reconciler_id = config.reconciler_id or default_reconciler_id(self._name)
+        self._reconciler_id = (
+            default_reconciler_id(self._name)
+            if config.reconciler_id is None
+            else config.reconciler_id
+        )
         self._started = False
         self._stopping = False
         self._stopped = False
@@ -565,6 +569,10 @@ class Loop:
                     extra={"controller": self._name},
                 )
             else:
+                if self._stopping:  # acquired while stop() was draining: hand it back
+                    self._token = token
+                    await self._release()
+                    return
                 self._became_leader(token, sent)
                 await self._hold(elector, token, sent)
                 continue
@@ -598,8 +606,10 @@ class Loop:
         while True:
             remaining = last_ok + self._renew_deadline - self._loop.time()
             if self._step_down_reason is None and remaining > 0:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._recheck.wait(), min(interval, remaining))
+                    async with asyncio.timeout(min(interval, remaining)):
+                        await self._recheck.wait()
             if self._step_down_reason is not None:
                 await self._step_down(self._step_down_reason, release=True)
                 return
@@ -609,7 +619,8 @@ class Loop:
                 return
             sent = self._loop.time()
             try:
-                await asyncio.wait_for(elector.renew_lease(token), remaining)
+                async with asyncio.timeout(remaining):
+                    await elector.renew_lease(token)
             except LeaseLost as exc:
                 await self._step_down(f"lease lost: {exc}", release=False)
                 return
@@ -653,7 +664,8 @@ class Loop:
         if token is None or elector is None:
             return
         try:
-            await asyncio.wait_for(elector.release_lease(token), self._renew_deadline)
+            async with asyncio.timeout(self._renew_deadline):
+                await elector.release_lease(token)
         except Exception as exc:
             logger.warning(
                 "loop %s: releasing lease %s failed (it will expire by itself): %r",

@@ -1,0 +1,124 @@
+"""Prometheus instruments: names, labels, buckets, zero-initialised series."""
+
+from __future__ import annotations
+
+import asyncio
+
+import prometheus_client
+
+import kopf_reconcile as kr
+from kopf_reconcile.metrics import RECONCILE_TIME_BUCKETS, RESULTS
+from support import eventually
+
+
+def sample(
+    registry: prometheus_client.CollectorRegistry, metric: str, **labels: str
+) -> float | None:
+    return registry.get_sample_value(f"kopf_reconcile_{metric}", labels)
+
+
+async def test_every_series_is_initialised_to_zero_at_start() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    metrics = kr.register_metrics(registry)
+
+    async def reconcile(req: kr.Request) -> None:
+        return None
+
+    loop = (
+        kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+        .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+        .with_metrics(metrics)
+        .with_name("devices")
+        .with_concurrency(3)
+        .build()
+    )
+    async with loop:
+        for result in RESULTS:
+            assert sample(registry, "reconcile_total", controller="devices", result=result) == 0
+        for outcome in ("accepted", "stale", "error"):
+            assert (
+                sample(registry, "fenced_writes_total", controller="devices", outcome=outcome) == 0
+            )
+        for metric in ("reconcile_errors_total", "lease_transitions_total", "lease_errors_total"):
+            assert sample(registry, metric, controller="devices") == 0
+        for metric in ("workqueue_adds_total", "workqueue_retries_total"):
+            assert sample(registry, metric, name="devices") == 0
+        assert sample(registry, "workqueue_depth", name="devices") == 0
+        assert sample(registry, "active_workers", controller="devices") == 0
+        assert sample(registry, "dead_letter_entities", controller="devices") == 0
+        assert sample(registry, "epoch", controller="devices") == 0
+        assert sample(registry, "max_concurrent_reconciles", controller="devices") == 3
+        assert sample(registry, "leader", controller="devices") == 1
+
+
+async def test_outcomes_are_counted() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    failures = {"flaky": 1}
+
+    async def reconcile(req: kr.Request) -> kr.Result | None:
+        if req.entity_id == "bad":
+            raise kr.PermanentError("no")
+        if failures.get(req.entity_id, 0) > 0:
+            failures[req.entity_id] -= 1
+            raise RuntimeError("once")
+        if req.entity_id == "later":
+            return kr.Result(requeue_after=3600)
+        return None
+
+    loop = (
+        kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+        .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+        .with_metrics(kr.register_metrics(registry))
+        .with_name("devices")
+        .with_backoff(0.001, 0.01)
+        .build()
+    )
+    async with loop:
+        for entity in ("ok", "bad", "flaky", "later"):
+            await loop.enqueue(kr.Request(entity))
+
+        def count(result: str) -> float | None:
+            return sample(registry, "reconcile_total", controller="devices", result=result)
+
+        await eventually(lambda: count("success") == 2)  # ok, and flaky after its retry
+        assert count("permanent") == 1
+        assert count("error") == 1
+        assert count("requeue_after") == 1
+        assert sample(registry, "reconcile_errors_total", controller="devices") == 1
+        assert sample(registry, "workqueue_retries_total", name="devices") == 1
+        assert sample(registry, "workqueue_adds_total", name="devices") == 4
+        assert sample(registry, "dead_letter_entities", controller="devices") == 1
+        assert sample(registry, "reconcile_time_seconds_count", controller="devices") == 5
+
+
+def test_reconcile_time_buckets_reach_sixty_seconds() -> None:
+    assert RECONCILE_TIME_BUCKETS[-1] == 60
+    registry = prometheus_client.CollectorRegistry()
+    metrics = kr.register_metrics(registry)
+    assert metrics.reconcile_time_seconds is not None
+    metrics.reconcile_time_seconds.labels("x").observe(45)
+    assert sample(registry, "reconcile_time_seconds_bucket", controller="x", le="40.0") == 0
+    assert sample(registry, "reconcile_time_seconds_bucket", controller="x", le="50.0") == 1
+
+
+async def test_a_none_field_disables_that_instrument() -> None:
+    registry = prometheus_client.CollectorRegistry()
+    metrics = kr.register_metrics(registry)
+    metrics.reconcile_total = None
+
+    async def reconcile(req: kr.Request) -> None:
+        return None
+
+    loop = (
+        kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+        .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+        .with_metrics(metrics)
+        .with_name("devices")
+        .build()
+    )
+    async with loop:
+        await loop.enqueue(kr.Request("a"))
+        await eventually(
+            lambda: sample(registry, "reconcile_time_seconds_count", controller="devices") == 1
+        )
+    assert sample(registry, "reconcile_total", controller="devices", result="success") is None

@@ -1,0 +1,293 @@
+"""The work queue's rules, one test each, plus a hypothesis state machine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kopf_reconcile.workqueue import WorkQueue
+
+
+class MaxJitter(random.Random):
+    """Full jitter that always draws the upper bound, so delays are exact."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def make(base: float = 1.0, maximum: float = 100.0) -> WorkQueue:
+    return WorkQueue(backoff_base=base, backoff_max=maximum, rng=MaxJitter())
+
+
+def test_trigger_of_queued_entity_is_a_no_op() -> None:
+    q = make()
+    assert q.add("a", 0)
+    assert not q.add("a", 0)
+    assert q.ready_count == 1
+
+
+def test_entity_is_never_handed_out_twice_while_processing() -> None:
+    q = make()
+    q.add("a", 0)
+    assert q.get()[0] == "a"
+    q.add("a", 1)  # trigger while processing: dirty, not ready
+    assert q.ready_count == 0
+    with pytest.raises(IndexError):
+        q.get()
+
+
+def test_many_triggers_while_processing_coalesce_into_exactly_one_rerun() -> None:
+    q = make()
+    q.add("a", 0)
+    q.get()
+    for t in range(50):
+        q.add("a", t)
+    q.done_success("a", 60, None)
+    assert q.ready_count == 1
+    assert q.get()[0] == "a"
+    q.done_success("a", 61, None)
+    assert q.ready_count == 0
+    assert q.footprint() == dict.fromkeys(q.footprint(), 0)
+
+
+def test_earliest_delay_wins() -> None:
+    q = make()
+    q.add_after("a", 10, 0)
+    q.add_after("a", 5, 0)
+    q.add_after("a", 20, 0)
+    assert q.due_of("a") == 5
+    assert q.pop_due(4.9) == 0
+    assert q.pop_due(5) == 1
+    assert q.get()[0] == "a"
+
+
+def test_immediate_trigger_supersedes_pending_delay() -> None:
+    q = make()
+    q.add_after("a", 10, 0)
+    q.add("a", 1)
+    assert q.due_of("a") is None
+    assert q.get()[0] == "a"
+    q.done_success("a", 2, None)
+    assert q.pop_due(100) == 0  # the superseded timer does not fire
+
+
+def test_backoff_grows_exponentially_and_is_capped() -> None:
+    q = make(base=1, maximum=8)
+    q.add("a", 0)
+    now = 0.0
+    delays: list[float] = []
+    for _ in range(6):
+        q.pop_due(now)
+        q.get()
+        delays.append(q.done_error("a", now))
+        now += delays[-1]
+    assert delays == [1, 2, 4, 8, 8, 8]
+
+
+def test_backoff_is_full_jitter_within_the_cap() -> None:
+    q = WorkQueue(backoff_base=1, backoff_max=100, rng=random.Random(7))
+    q.add("a", 0)
+    q.get()
+    first = q.done_error("a", 0)
+    assert 0 <= first <= 1
+
+
+def test_success_forgets_the_failure_counter() -> None:
+    q = make()
+    q.add("a", 0)
+    q.get()
+    q.done_error("a", 0)
+    q.pop_due(1)
+    q.get()
+    q.done_error("a", 1)
+    assert q.failures_of("a") == 2
+    q.pop_due(3)
+    q.get()
+    q.done_success("a", 3, None)
+    assert q.failures_of("a") == 0
+    q.add("a", 4)
+    q.get()
+    assert q.done_error("a", 4) == 1  # starts from base again
+
+
+def test_fresh_trigger_during_backoff_runs_at_once_without_extra_exponent() -> None:
+    q = make(base=10, maximum=1000)
+    q.add("a", 0)
+    q.get()
+    assert q.done_error("a", 0) == 10  # window [0, 10)
+    # An event storm inside the window: each trigger runs at once and fails.
+    for t in (1, 2, 3, 4):
+        q.add("a", t)
+        assert q.get()[0] == "a"
+        q.done_error("a", t)
+        assert q.due_of("a") == 10  # same window end
+        assert q.failures_of("a") == 1  # exponent bumped once, not per trigger
+    # After the window, the next failure bumps the exponent.
+    q.pop_due(10)
+    q.get()
+    assert q.done_error("a", 10) == 20
+    assert q.failures_of("a") == 2
+
+
+def test_permanent_failure_leaves_every_timer_until_a_fresh_trigger() -> None:
+    q = make()
+    q.add_after("a", 5, 0)
+    q.add("a", 0)
+    q.get()
+    q.done_error("a", 0)
+    q.pop_due(1)
+    q.get()
+    q.done_permanent("a", 1)
+    assert q.is_dead("a")
+    assert q.due_of("a") is None
+    assert q.failures_of("a") == 0
+    assert q.pop_due(10_000) == 0
+    assert q.add("a", 2)  # a fresh trigger schedules it again
+    assert not q.is_dead("a")
+
+
+def test_trigger_during_permanent_failure_reruns_once() -> None:
+    q = make()
+    q.add("a", 0)
+    q.get()
+    q.add("a", 0.5)
+    q.done_permanent("a", 1)
+    assert not q.is_dead("a")
+    assert q.get()[0] == "a"
+
+
+def test_requeue_after_interruption_keeps_the_backoff_counter() -> None:
+    q = make()
+    q.add("a", 0)
+    q.get()
+    q.done_error("a", 0)
+    q.pop_due(1)
+    q.get()
+    q.done_requeue("a", 1)
+    assert q.ready_count == 1
+    assert q.failures_of("a") == 1
+
+
+def test_superseded_timers_do_not_accumulate() -> None:
+    q = make()
+    for i in range(10_000):
+        q.add_after("a", 1000 - i * 0.01, 0)
+    assert q.footprint()["heap"] <= 2 * 1024 + 1
+    q.add("a", 0)
+    q.get()
+    for i in range(10_000):
+        q.done_success("a", i, 100)  # each success re-arms a later timer
+        q.add("a", i)
+        q.get()
+    assert q.footprint()["heap"] <= 2 * 1024 + 1
+
+
+def test_hundred_thousand_entities_through_failure_then_success_leave_nothing() -> None:
+    q = make(base=0.001, maximum=0.01)
+    n = 100_000
+    for i in range(n):
+        q.add(f"e{i}", 0)
+    now = 0.0
+    while q.ready_count:
+        entity, _ = q.get()
+        q.done_error(entity, now)
+    assert q.footprint()["backoff"] == n
+    now = 1.0
+    assert q.pop_due(now) == n
+    while q.ready_count:
+        entity, _ = q.get()
+        q.done_success(entity, now, None)
+    assert q.footprint() == dict.fromkeys(q.footprint(), 0)
+
+
+class WorkQueueMachine(RuleBasedStateMachine):
+    """Random interleavings of triggers, timers and worker outcomes."""
+
+    entities = st.sampled_from([f"e{i}" for i in range(5)])
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = WorkQueue(backoff_base=0.5, backoff_max=4, rng=random.Random(1))
+        self.now = 0.0
+        self.processing: set[str] = set()
+        self.pending: set[str] = set()  # triggered, not yet picked up by a run
+
+    @rule(entity=entities)
+    def trigger(self, entity: str) -> None:
+        self.q.add(entity, self.now)
+        self.pending.add(entity)
+
+    @rule(entity=entities, delay=st.floats(0.01, 5))
+    def trigger_later(self, entity: str, delay: float) -> None:
+        self.q.add_after(entity, delay, self.now)
+
+    @rule(step=st.floats(0, 3))
+    def time_passes(self, step: float) -> None:
+        self.now += step
+        self.q.pop_due(self.now)
+
+    @precondition(lambda self: self.q.ready_count > 0)
+    @rule()
+    def worker_takes(self) -> None:
+        entity, _ = self.q.get()
+        assert entity not in self.processing, "two concurrent reconciles of one entity"
+        self.processing.add(entity)
+        self.pending.discard(entity)
+
+    @precondition(lambda self: bool(self.processing))
+    @rule(
+        data=st.data(),
+        outcome=st.sampled_from(["success", "requeue", "error", "permanent", "interrupted"]),
+    )
+    def worker_finishes(self, data: st.DataObject, outcome: str) -> None:
+        entity = data.draw(st.sampled_from(sorted(self.processing)))
+        self.processing.remove(entity)
+        if outcome == "success":
+            self.q.done_success(entity, self.now, None)
+        elif outcome == "requeue":
+            self.q.done_success(entity, self.now, 1.0)
+        elif outcome == "error":
+            self.q.done_error(entity, self.now)
+        elif outcome == "permanent":
+            self.q.done_permanent(entity, self.now)
+        else:
+            self.q.done_requeue(entity, self.now)
+        if entity in self.pending:
+            assert self.q.is_ready(entity), "a trigger during processing was lost"
+
+    @invariant()
+    def no_trigger_is_lost(self) -> None:
+        for entity in self.pending:
+            assert self.q.is_ready(entity) or self.q.is_processing(entity)
+
+    @invariant()
+    def ready_and_processing_are_disjoint_and_unique(self) -> None:
+        fp = self.q.footprint()
+        assert fp["ready"] == fp["ready_since"]
+        assert fp["processing"] == len(self.processing)
+        for entity in self.processing:
+            assert not self.q.is_ready(entity)
+
+    def teardown(self) -> None:
+        # Everything succeeds from now on: the queue must drain to nothing.
+        for entity in list(self.processing):
+            self.q.done_success(entity, self.now, None)
+        for _ in range(100):
+            self.now += 10
+            self.q.pop_due(self.now)
+            while self.q.ready_count:
+                entity, _ = self.q.get()
+                self.q.done_success(entity, self.now, None)
+            if not self.q.delayed_count:
+                break
+        fp = self.q.footprint()
+        del fp["dead"]  # dead letters wait for a fresh trigger by design
+        assert fp == dict.fromkeys(fp, 0), fp
+
+
+TestWorkQueueMachine = WorkQueueMachine.TestCase
+TestWorkQueueMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
