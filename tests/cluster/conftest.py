@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from widget_kind import CRDS, REAL_TIER_CRASHES, Widgets, established, widget_crd
 
 
 @pytest.fixture
@@ -39,3 +40,18 @@ async def api_client(kube: Any) -> AsyncIterator[Any]:
         yield client
     finally:
         await client.close()
+
+
+@pytest_asyncio.fixture
+async def widgets(
+    request: pytest.FixtureRequest, http: aiohttp.ClientSession, unique: Callable[[str], str]
+) -> AsyncIterator[Widgets]:
+    """A fresh CRD (kind Widget, in a group of its own), established and discoverable."""
+    if request.node.callspec.params.get("kube") == "real":
+        pytest.skip(REAL_TIER_CRASHES)
+    group = f"{unique('g')}.example.com"
+    response = await http.post(CRDS, json=widget_crd(group))
+    assert response.status == 201, await response.text()
+    await established(http, group)
+    yield Widgets(group, await response.json())
+    await http.delete(f"{CRDS}/widgets.{group}")

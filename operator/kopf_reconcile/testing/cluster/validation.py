@@ -4,13 +4,16 @@ kube-apiserver rejects a body in two stages, and the embedded cluster keeps them
 
 * *decoding* (400 BadRequest): the JSON does not fit the kind's Go type — a string where an
   ``int32`` goes, a MicroTime without exactly six fractional digits. Unknown fields and
-  ``null`` optional fields are dropped silently, as decoding into a Go struct does.
+  ``null`` optional fields are dropped silently, as decoding into a Go struct does (a
+  ConfigMap sent with a ``status`` is stored without it).
 * *validation* (422 Invalid): the decoded object breaks a rule (a name that is not a DNS
   subdomain, a non-positive ``leaseDurationSeconds``), reported as field errors.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
@@ -214,9 +217,62 @@ def _decode_namespace(body: Object) -> Object:
     return body
 
 
+def _decode_config_map(body: Object) -> Object:
+    for field in ("data", "binaryData"):
+        if body.get(field) is not None:
+            _string_map(body[field], "ConfigMap", field)
+    return body
+
+
+def _decode_secret(body: Object) -> Object:
+    data = dict(_string_map(body.get("data") or {}, "Secret", "data"))
+    for key, value in data.items():
+        try:
+            base64.b64decode(value, validate=True)
+        except binascii.Error:
+            raise DecodeError(f"illegal base64 data in Secret.data[{key}]") from None
+    # stringData is write-only: merged into data, never stored.
+    for key, value in _string_map(body.get("stringData") or {}, "Secret", "stringData").items():
+        data[key] = base64.b64encode(value.encode()).decode()
+    decoded = {k: v for k, v in body.items() if k != "stringData"}
+    if data:
+        decoded["data"] = data
+    decoded.setdefault("type", "Opaque")
+    return decoded
+
+
 _DECODERS: dict[str, Callable[[Object], Object]] = {
     "Lease": _decode_lease,
     "Namespace": _decode_namespace,
+    "ConfigMap": _decode_config_map,
+    "Secret": _decode_secret,
+}
+
+#: The top-level fields of each built-in kind's Go type; others are dropped on decoding.
+_TOP_LEVEL_FIELDS: dict[str, frozenset[str]] = {
+    "Lease": frozenset({"spec"}),
+    "Namespace": frozenset({"spec", "status"}),
+    "ConfigMap": frozenset({"data", "binaryData", "immutable"}),
+    "Secret": frozenset({"data", "stringData", "type", "immutable"}),
+    "CustomResourceDefinition": frozenset({"spec", "status"}),
+    "Event": frozenset(
+        {
+            "involvedObject",
+            "reason",
+            "message",
+            "source",
+            "firstTimestamp",
+            "lastTimestamp",
+            "count",
+            "type",
+            "eventTime",
+            "series",
+            "action",
+            "related",
+            "reportingComponent",
+            "reportingInstance",
+        }
+    ),
 }
 
 
@@ -244,6 +300,9 @@ def decode(resource: ResourceType, body: Any) -> Object:
         )
     try:
         decoded = decode_metadata(body)
+        known = None if resource.custom else _TOP_LEVEL_FIELDS.get(resource.kind)
+        if known is not None:
+            decoded = {k: v for k, v in decoded.items() if k in known or k == "metadata"}
         decoder = None if resource.custom else _DECODERS.get(resource.kind)
         if decoder is not None:
             decoded = decoder(decoded)
