@@ -50,6 +50,8 @@ __all__ = ["DEFAULT_FENCE_TABLE", "DEFAULT_SCOPE", "PostgresFencedRepository"]
 DEFAULT_FENCE_TABLE = "kopf_reconcile_fence"
 DEFAULT_SCOPE = "default"
 _MAX_EPOCH = 2**63 - 1  # bigint
+# Compact, and strict: PostgreSQL's jsonb rejects NaN and Infinity.
+_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
 class _Rejected(Exception):
@@ -258,7 +260,7 @@ def _check_epoch(epoch: object) -> None:
 
 def _json_document(entity_id: str, document: Mapping[Any, Any]) -> str:
     try:
-        return json.dumps(dict(document), allow_nan=False, separators=(",", ":"))
+        return _JSON.encode(document if isinstance(document, dict) else dict(document))
     except (TypeError, ValueError) as exc:
         raise TypeError(
             f"fenced document for entity {entity_id!r} is not JSON-serialisable: {exc}"
