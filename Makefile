@@ -44,7 +44,7 @@ test: $(STAMP) tools lint real-apiserver
 	$(BIN)/python scripts/run_pytest.py
 
 bench: $(STAMP) tools
-	$(BIN)/python benchmarks/dispatch.py
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -25,4 +25,4 @@ def full_jitter(rng: random.Random, cap: float) -> float:
 
 def requeue_jitter(rng: random.Random, interval: float, spread: float = 0.1) -> float:
     """``interval`` ± ``spread`` (10 % by default), so N entities do not wake together."""
-    return interval * rng.uniform(1.0 - spread, 1.0 + spread)
+    return interval * (1.0 - spread + 2.0 * spread * rng.random())

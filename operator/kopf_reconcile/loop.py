@@ -163,6 +163,8 @@ class Loop:
             backoff_base=config.backoff_base, backoff_max=config.backoff_max, rng=config.rng
         )
         self._m = BoundMetrics(None, self._name)
+        self._metered = False
+        self._tenant_scoped = config.tenancy is Tenancy.TENANT_SCOPED
 
     # -- public surface --------------------------------------------------------
 
@@ -204,6 +206,7 @@ class Loop:
             dead=lambda: self._queue.dead_count,
         )
         self._m.max_concurrent.set(cfg.concurrency)
+        self._metered = cfg.metrics is not None
         bind = getattr(cfg.fenced_repo, "bind_loop", None)
         if callable(bind):
             bind(reconciler_id=self._reconciler_id, tenancy=cfg.tenancy)
@@ -281,6 +284,8 @@ class Loop:
 
     async def enqueue(self, request: Request) -> None:
         """Add a request as a trigger would (with backpressure)."""
+        if not self._started or self._stopped:
+            raise RuntimeError(f"loop {self._name!r} is not running")
         await self._emit(request)
 
     # -- validation ------------------------------------------------------------
@@ -328,15 +333,16 @@ class Loop:
     # -- intake ----------------------------------------------------------------
 
     async def _emit(self, request: Request) -> None:
-        if type(request) is not Request or not isinstance(request.entity_id, str):
+        if type(request) is not Request or type(request.entity_id) is not str:
             raise TypeError(
                 f"a trigger of loop {self._name!r} emitted {request!r}; "
                 "expected kopf_reconcile.Request(entity_id: str)"
             )
         entity = request.entity_id
         queue = self._queue
+        capacity = self._config.intake_capacity
         while (
-            queue.ready_count >= self._config.intake_capacity
+            queue.ready_count >= capacity
             and not queue.is_ready(entity)
             and not queue.is_processing(entity)
             and not self._stopping
@@ -347,8 +353,9 @@ class Loop:
         self._enqueue(entity)
 
     def _enqueue(self, entity: str) -> None:
-        self._m.adds.inc()
-        if self._queue.add(entity, self._loop.time()) and self._dispatch_open:
+        if self._metered:
+            self._m.adds.inc()
+        if self._queue.add(entity, self._loop.time()) and self._dispatch_open and self._idle:
             self._wake_one(self._idle)
 
     # -- timers ----------------------------------------------------------------
@@ -381,6 +388,8 @@ class Loop:
             task.add_done_callback(self._workers.discard)
 
     async def _work(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
         queue = self._queue
         while not self._stopping:
             if not self._dispatch_open or not queue.ready_count:
@@ -391,31 +400,28 @@ class Loop:
             entity, since = queue.get()
             if self._space:
                 self._wake_one(self._space)
-            await self._process(entity, since)
+            await self._process(entity, since, task)
 
-    async def _process(self, entity: str, since: float) -> None:
-        m = self._m
-        loop_time = self._loop.time
-        started = loop_time()
-        m.queue_duration.observe(started - since)
+    async def _process(self, entity: str, since: float, task: asyncio.Task[None]) -> None:
+        # The hot path: keep it free of work that is not needed per reconcile.
+        clock = self._loop.time
+        started = clock()
         self._running[entity] = started
         writer_token = None
         repo = self._config.fenced_repo
         if repo is not None:
-            epoch = self._epoch
             writer_token = bind_writer(
-                mint_writer(repo, epoch, self._lease_is_live, self._count_fenced_write)
+                mint_writer(repo, self._epoch, self._lease_is_live, self._count_fenced_write)
             )
         try:
-            if entity != RESYNC_ALL:
+            if self._tenant_scoped and entity != RESYNC_ALL:
                 self._config.tenancy.tenant_of(entity)
             outcome = await self._reconcile(Request(entity))
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if task.cancelling():
                 raise asyncio.CancelledError  # the reconciler swallowed a cancellation
         except asyncio.CancelledError:
-            self._queue.done_requeue(entity, loop_time())
-            m.results["canceled"].inc()
+            self._queue.done_requeue(entity, clock())
+            self._m.results["canceled"].inc()
             raise
         except MalformedEntityId as exc:
             self._dead_letter(entity, f"malformed entity id: {exc}")
@@ -424,49 +430,58 @@ class Loop:
         except StaleEpochError as exc:
             self._fenced(entity, exc)
         except Exception as exc:
-            delay = self._queue.done_error(entity, loop_time())
-            m.results["error"].inc()
-            m.errors.inc()
-            m.retries.inc()
-            logger.error(
-                "reconcile of %r by %s failed; retrying in %.3fs: %r",
-                entity,
-                self._name,
-                delay,
-                exc,
-                exc_info=exc,
-                extra={"controller": self._name, "entity": entity},
-            )
+            self._failed(entity, exc)
         else:
             self._succeeded(entity, outcome)
         finally:
             if writer_token is not None:
                 unbind_writer(writer_token)
             del self._running[entity]
-            elapsed = loop_time() - started
-            m.reconcile_time.observe(elapsed)
-            m.work_duration.observe(elapsed)
-            self._arm_timer()
+            if self._metered:
+                m = self._m
+                elapsed = clock() - started
+                m.queue_duration.observe(started - since)
+                m.reconcile_time.observe(elapsed)
+                m.work_duration.observe(elapsed)
 
     def _succeeded(self, entity: str, outcome: object) -> None:
-        now = self._loop.time()
         if outcome is None:
-            outcome = Result()
-        if not isinstance(outcome, Result):
+            requeue_after = 0.0
+        elif isinstance(outcome, Result):
+            requeue_after = outcome.requeue_after
+        else:
             self._dead_letter(
                 entity,
                 f"reconciler returned {outcome!r}; it must return kopf_reconcile.Result or None "
                 "(a programmer error)",
             )
             return
-        if outcome.requeue_after > 0:
-            self._queue.done_success(entity, now, outcome.requeue_after)
+        cfg = self._config
+        if requeue_after > 0:
             self._m.results["requeue_after"].inc()
         else:
-            cfg = self._config
-            after = requeue_jitter(cfg.rng, cfg.interval) if cfg.default_requeue else None
-            self._queue.done_success(entity, now, after)
             self._m.results["success"].inc()
+            requeue_after = requeue_jitter(cfg.rng, cfg.interval) if cfg.default_requeue else None
+        due = self._queue.done_success(entity, self._loop.time(), requeue_after)
+        if due is not None and (self._timer is None or due < self._timer_due):
+            self._arm_timer()
+
+    def _failed(self, entity: str, exc: Exception) -> None:
+        delay = self._queue.done_error(entity, self._loop.time())
+        self._arm_timer()
+        m = self._m
+        m.results["error"].inc()
+        m.errors.inc()
+        m.retries.inc()
+        logger.error(
+            "reconcile of %r by %s failed; retrying in %.3fs: %r",
+            entity,
+            self._name,
+            delay,
+            exc,
+            exc_info=exc,
+            extra={"controller": self._name, "entity": entity},
+        )
 
     def _dead_letter(self, entity: str, reason: str) -> None:
         self._queue.done_permanent(entity, self._loop.time())

@@ -117,22 +117,27 @@ class WorkQueue:
             return False
         if entity in self._ready_since:
             return False
-        self._push_ready(entity, now)
+        self._ready.append(entity)
+        self._ready_since[entity] = now
         return True
 
-    def add_after(self, entity: str, delay: float, now: float) -> None:
-        """Run no later than ``now + delay``; the earliest pending time wins."""
+    def add_after(self, entity: str, delay: float, now: float) -> float | None:
+        """Run no later than ``now + delay``; the earliest pending time wins.
+
+        Returns the new pending time if this call set one (the caller re-arms its timer).
+        """
         if entity in self._ready_since or entity in self._dirty:
-            return  # already due sooner than any delay
+            return None  # already due sooner than any delay
         due = now + delay
         current = self._due.get(entity)
         if current is not None and current <= due:
-            return
+            return None
         self._due[entity] = due
         heapq.heappush(self._heap, (due, entity))
         if len(self._heap) > _COMPACT_MIN and len(self._heap) > _COMPACT_FACTOR * len(self._due):
-            self._heap = [(due, entity) for entity, due in self._due.items()]
+            self._heap = [(when, key) for key, when in self._due.items()]
             heapq.heapify(self._heap)
+        return due
 
     def next_due(self) -> float | None:
         """The earliest pending time, or None."""
@@ -166,12 +171,16 @@ class WorkQueue:
         self._processing.add(entity)
         return entity, since
 
-    def done_success(self, entity: str, now: float, requeue_after: float | None) -> None:
-        """The reconcile succeeded; requeue after ``requeue_after`` seconds, or never (None)."""
+    def done_success(self, entity: str, now: float, requeue_after: float | None) -> float | None:
+        """The reconcile succeeded; requeue after ``requeue_after`` seconds, or never (None).
+
+        Returns the pending time it set, if any.
+        """
         self._backoff.pop(entity, None)
         self._finish(entity, now)
-        if requeue_after is not None:
-            self.add_after(entity, requeue_after, now)
+        if requeue_after is None:
+            return None
+        return self.add_after(entity, requeue_after, now)
 
     def done_error(self, entity: str, now: float) -> float:
         """A transient failure: schedule a retry with backoff; returns the delay chosen."""
