@@ -356,3 +356,32 @@ async def test_stats_snapshot() -> None:
             queued=1, in_flight=1, dead_letters=0, is_leader=True, epoch=0
         )
         gate.set()
+
+
+async def test_hundred_thousand_entities_leave_no_state_after_failure_then_success() -> None:
+    failed: set[str] = set()
+    succeeded = 0
+    n = 100_000
+
+    async def reconcile(req: kr.Request) -> None:
+        nonlocal succeeded
+        if req.entity_id not in failed:
+            failed.add(req.entity_id)
+            raise RuntimeError("transient")
+        succeeded += 1
+
+    builder = kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+    builder.with_trigger(kr.ChannelTrigger(asyncio.Queue())).with_concurrency(8)
+    builder.with_backoff(0.001, 0.01).without_default_requeue()
+    loop = builder.build()
+    logging.getLogger("kopf_reconcile.loop").disabled = True  # 100k error lines are noise here
+    try:
+        async with loop:
+            for i in range(n):
+                await loop.enqueue(kr.Request(f"e{i}"))
+            await eventually(lambda: succeeded == n, timeout=60)
+            footprint = loop._queue.footprint()
+    finally:
+        logging.getLogger("kopf_reconcile.loop").disabled = False
+    assert footprint == dict.fromkeys(footprint, 0), footprint
+    assert loop._running == {}
