@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
@@ -283,3 +286,80 @@ def test_a_bad_dsn_is_a_config_error_that_does_not_show_the_password() -> None:
     assert "hunter2" not in str(error.value) and "admin:***@db" in str(error.value)
     elector = PostgresLeaseElector("postgresql://admin:hunter2@db/leases?sslpassword=s3cret")
     assert "hunter2" not in repr(elector) and "s3cret" not in repr(elector)
+
+
+# -- separate processes ---------------------------------------------------------------------
+
+# A contender in its own process: acquire, keep renewing, report every change on stdout.
+CONTENDER = """
+import asyncio, sys
+from kopf_reconcile.leader.postgres import PostgresLeaseElector
+from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost
+
+async def main(dsn):
+    async with PostgresLeaseElector(dsn, ttl=1.0) as elector:
+        while True:
+            try:
+                token = await elector.acquire_lease("devices")
+            except LeaseContended:
+                await asyncio.sleep(0.05)
+                continue
+            print("acquired", token.epoch, elector.holder_id, flush=True)
+            try:
+                while True:
+                    await asyncio.sleep(0.2)
+                    await elector.renew_lease(token)
+            except LeaseLost:
+                print("lost", token.epoch, flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+class Contender:
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @classmethod
+    async def start(cls, dsn: str) -> Contender:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", CONTENDER, dsn, stdout=asyncio.subprocess.PIPE
+        )
+        return cls(process)
+
+    async def next_event(self, timeout: float = 10.0) -> list[str]:
+        assert self.process.stdout is not None
+        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
+        assert line, f"contender {self.process.pid} exited ({self.process.returncode})"
+        return line.decode().split()
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.process.pid, signum)
+
+    async def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+        await self.process.wait()
+
+
+@pytest.mark.slow
+async def test_processes_take_over_from_a_paused_and_from_a_killed_holder(dsn: str) -> None:
+    first = await Contender.start(dsn)
+    second: Contender | None = None
+    try:
+        assert (await first.next_event())[:2] == ["acquired", "1"]
+        second = await Contender.start(dsn)
+
+        first.signal(signal.SIGSTOP)  # paused past its TTL: the other process takes over
+        event, epoch, holder = await second.next_event()
+        assert (event, epoch) == ("acquired", "2")
+        first.signal(signal.SIGCONT)  # the paused holder learns it lost, at its next renewal
+        assert await first.next_event() == ["lost", "1"]
+
+        await second.kill()  # killed without a release: taken over once its lease expires
+        event, epoch, new_holder = await first.next_event()
+        assert (event, epoch) == ("acquired", "3") and new_holder != holder
+    finally:
+        for contender in (first, second):
+            if contender is not None:
+                await contender.kill()
