@@ -22,7 +22,10 @@ Two kinds of mutation are fenced:
 
 A stale epoch is answered with ``False``; a lost connection, a timeout or any
 other database error propagates as an exception (a transient error for the
-Loop), never as a silent accept or reject.
+Loop), never as a silent accept or reject. Cancelling a call cancels its
+statement on the server and rolls back its transaction; like a lost reply, a
+cancelled document write may still have been applied if the server finished
+it first — it then carried a current epoch, so fencing still holds.
 
 Scope: a repository given to a Loop is bound to it (:meth:`bind_loop`) and
 scopes its rows by the Loop's reconciler id unless ``scope=`` was given, so
