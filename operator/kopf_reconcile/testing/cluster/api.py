@@ -14,9 +14,10 @@ from __future__ import annotations
 import copy
 import random
 import uuid
+from dataclasses import dataclass, field
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from kopf_reconcile.testing.cluster import crds, errors, patching, validation
 from kopf_reconcile.testing.cluster.resources import ResourceRegistry, ResourceType, StorageKey
@@ -50,6 +51,10 @@ _KEPT_ON_UPDATE = (
     "generation",
 )
 
+#: How unknown fields in a request are treated (the ``fieldValidation`` query parameter).
+FieldValidation = Literal["Ignore", "Warn", "Strict"]
+FIELD_VALIDATIONS: tuple[FieldValidation, ...] = ("Ignore", "Warn", "Strict")
+
 _PATCHERS: dict[str, Callable[[Any, Any], Any]] = {
     patching.MERGE_PATCH: patching.merge_patch,
     patching.JSON_PATCH: patching.json_patch,
@@ -57,6 +62,16 @@ _PATCHERS: dict[str, Callable[[Any, Any], Any]] = {
 }
 
 Clock = Callable[[], datetime]
+
+
+@dataclass
+class WriteOptions:
+    """How one write request is carried out: ``dryRun``, ``fieldValidation``, and the warnings
+    it produced (sent back as ``Warning`` headers)."""
+
+    dry_run: bool = False
+    field_validation: FieldValidation = "Ignore"
+    warnings: list[str] = field(default_factory=list)
 
 
 def _utcnow() -> datetime:
@@ -105,9 +120,14 @@ class ResourceAPI:
     # Creating.
 
     def create(
-        self, resource: ResourceType, namespace: str, body: Any, *, dry_run: bool = False
+        self,
+        resource: ResourceType,
+        namespace: str,
+        body: Any,
+        options: WriteOptions | None = None,
     ) -> Object:
-        obj = validation.decode(resource, body)
+        options = options or WriteOptions()
+        obj = self._decode(resource, body, options)
         meta = obj["metadata"]
         if resource.namespaced:
             if meta.get("namespace", namespace) != namespace:
@@ -132,7 +152,7 @@ class ResourceAPI:
             self._check_namespace_accepts(target, namespace)
         if self.store.get(resource.storage_key, meta.get("namespace", ""), meta["name"]):
             raise errors.already_exists(target)
-        if dry_run:
+        if options.dry_run:
             return obj
         stored = self.store.put(resource.storage_key, obj, None)
         self._after_write(resource, stored)
@@ -148,13 +168,25 @@ class ResourceAPI:
             meta["generation"] = 1
         if resource.custom and resource.status_subresource:
             obj.pop("status", None)
-        if resource.schema is not None:
-            obj = resource.schema.prune_and_default(obj)
         if resource.storage_key == NAMESPACES_KEY:
             obj["spec"] = {"finalizers": ["kubernetes"], **(obj.get("spec") or {})}
             obj["status"] = {"phase": "Active"}
         if resource.storage_key == crds.CRD_KEY:
             obj = crds.with_defaults_and_status(obj, self._clock())
+        return obj
+
+    def _decode(self, resource: ResourceType, body: Any, options: WriteOptions) -> Object:
+        """Decode (and for custom resources prune and default) a body; check unknown fields."""
+        obj = validation.decode(resource, body)
+        if resource.schema is not None:
+            obj = resource.schema.prune_and_default(obj)
+        if options.field_validation != "Ignore":
+            unknown = [f'unknown field "{path}"' for path in validation.dropped_fields(body, obj)]
+            if unknown and options.field_validation == "Strict":
+                target = resource.target(obj["metadata"].get("name", ""))
+                detail = "strict decoding error: " + ", ".join(unknown)
+                raise errors.undecodable(target, resource.version, detail)
+            options.warnings.extend(unknown)
         return obj
 
     def _validate(self, resource: ResourceType, obj: Object) -> list[errors.FieldError]:
@@ -185,16 +217,17 @@ class ResourceAPI:
         body: Any,
         *,
         subresource: str = "",
-        dry_run: bool = False,
+        options: WriteOptions | None = None,
     ) -> tuple[Object, bool]:
         """PUT: the new state, and whether it was created (Leases and Events allow that)."""
+        options = options or WriteOptions()
         exists = self.store.get(resource.storage_key, namespace, name) is not None
         if not exists and resource.create_on_update and not subresource:
             if isinstance(body, dict) and (body.get("metadata") or {}).get("name", name) != name:
                 raise errors.bad_request(_name_mismatch(body["metadata"]["name"], name))
-            return self.create(resource, namespace, body, dry_run=dry_run), True
+            return self.create(resource, namespace, body, options), True
         updated = self._update(
-            resource, namespace, name, lambda _: body, subresource=subresource, dry_run=dry_run
+            resource, namespace, name, lambda _: body, subresource=subresource, options=options
         )
         return updated, False
 
@@ -207,7 +240,7 @@ class ResourceAPI:
         patch: Any,
         *,
         subresource: str = "",
-        dry_run: bool = False,
+        options: WriteOptions | None = None,
     ) -> Object:
         patcher = _PATCHERS.get(content_type)
         # Strategic merge needs Go struct tags: custom resources refuse it (kubectl falls back).
@@ -224,7 +257,12 @@ class ResourceAPI:
                 raise errors.patch_rejected() from None
 
         return self._update(
-            resource, namespace, name, apply, subresource=subresource, dry_run=dry_run
+            resource,
+            namespace,
+            name,
+            apply,
+            subresource=subresource,
+            options=options or WriteOptions(),
         )
 
     def _update(
@@ -235,11 +273,11 @@ class ResourceAPI:
         compute: Callable[[Object], Any],
         *,
         subresource: str,
-        dry_run: bool,
+        options: WriteOptions,
     ) -> Object:
         target = resource.target(name)
         current = self.get(resource, namespace, name)
-        obj = validation.decode(resource, compute(copy.deepcopy(current)))
+        obj = self._decode(resource, compute(copy.deepcopy(current)), options)
         meta = obj["metadata"]
         if meta.get("name", name) != name:
             raise errors.bad_request(_name_mismatch(meta["name"], name))
@@ -257,7 +295,7 @@ class ResourceAPI:
             raise errors.invalid(target, problems)
         if obj == current:
             return current  # kube-apiserver skips no-op writes: same resourceVersion, no event
-        if dry_run:
+        if options.dry_run:
             return obj
         if obj["metadata"].get("deletionTimestamp") and not obj["metadata"].get("finalizers"):
             gone = self.store.remove(resource.storage_key, obj)
@@ -290,7 +328,7 @@ class ResourceAPI:
             # ...and the main resource ignores status changes when that subresource exists.
             obj = _with_status_of(obj, current)
         if resource.schema is not None:
-            obj = resource.schema.prune_and_default(obj)
+            obj = resource.schema.prune_and_default(obj)  # defaults again on the merged object
         if resource.storage_key == crds.CRD_KEY:
             obj = crds.with_defaults_and_status(obj, self._clock())
         if "generation" in obj["metadata"] and _spec_changed(resource, obj, current):

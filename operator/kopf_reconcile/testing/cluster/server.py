@@ -33,8 +33,8 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from kopf_reconcile.testing.cluster import discovery, errors, openapi, patching, selectors, tables
-from kopf_reconcile.testing.cluster.api import ResourceAPI
+from kopf_reconcile.testing.cluster import discovery, errors, openapi, patching, selecting, tables
+from kopf_reconcile.testing.cluster.api import FIELD_VALIDATIONS, ResourceAPI, WriteOptions
 from kopf_reconcile.testing.cluster.faults import FaultInjector
 from kopf_reconcile.testing.cluster.resources import ResourceType
 from kopf_reconcile.testing.cluster.store import Object, Watcher, WatchEvent
@@ -217,37 +217,41 @@ class ApiServer:
         resource, name = address.resource, address.name
         namespace = address.namespace or ""
         method = request.method
-        dry_run = request.query.get("dryRun") == "All"
         if resource.namespaced and address.namespace is None and method != "GET":
             raise errors.method_not_allowed()  # the all-namespaces path only lists and watches
         if resource.namespaced and address.namespace is None and name:
             raise errors.resource_not_served()
         if method == "GET" and not name:
+            _check_list_options(request)
             if _flag(request.query.get("watch")):
                 return await self._watch(request, resource, address.namespace)
             return self._list(request, resource, address.namespace)
         if method == "GET":
-            return self._render(request, resource, self.api.get(resource, namespace, name))
+            obj = self.api.get(resource, namespace, name)
+            if tables.wants_table(request.headers.get("Accept", "")):
+                metadata = {"resourceVersion": obj["metadata"]["resourceVersion"]}
+                include = request.query.get("includeObject")
+                return json_response(tables.table(resource, [obj], metadata, include))
+            return json_response(_as_served(resource, obj))
+        options = _write_options(request)
         if method == "POST" and not name:
-            created = self.api.create(
-                resource, namespace, await _read_body(request), dry_run=dry_run
-            )
-            return self._render(request, resource, created, status=201)
+            created = self.api.create(resource, namespace, await _read_body(request), options)
+            return _written(resource, created, options, status=201)
         if method == "PUT" and name:
             body = await _read_body(request)
             replaced, created = self.api.replace(
-                resource, namespace, name, body, subresource=address.subresource, dry_run=dry_run
+                resource, namespace, name, body, subresource=address.subresource, options=options
             )
-            return self._render(request, resource, replaced, status=201 if created else 200)
+            return _written(resource, replaced, options, status=201 if created else 200)
         if method == "PATCH" and name:
             content_type = request.content_type
-            if content_type not in (
+            readable = content_type in (
                 patching.MERGE_PATCH,
                 patching.JSON_PATCH,
                 patching.STRATEGIC_MERGE_PATCH,
-            ):
-                content_type = "unsupported"  # answered with 415 by the API, naming what it accepts
-            patch = await _read_json(request) if content_type != "unsupported" else None
+            )
+            # An unknown patch type is answered with 415 by the API, naming what it accepts.
+            patch = await _read_json(request) if readable else None
             patched = self.api.patch(
                 resource,
                 namespace,
@@ -255,30 +259,27 @@ class ApiServer:
                 content_type,
                 patch,
                 subresource=address.subresource,
-                dry_run=dry_run,
+                options=options,
             )
-            return self._render(request, resource, patched)
+            return _written(resource, patched, options)
         if method == "DELETE" and name and not address.subresource:
-            options = await _read_json(request) if request.can_read_body else {}
-            preconditions = options.get("preconditions") if isinstance(options, dict) else None
-            obj, gone = self.api.delete(resource, namespace, name, preconditions, dry_run=dry_run)
+            body = await _read_json(request) if request.can_read_body else {}
+            preconditions = body.get("preconditions") if isinstance(body, dict) else None
+            obj, gone = self.api.delete(
+                resource, namespace, name, preconditions, dry_run=options.dry_run
+            )
             if not gone:
-                return self._render(request, resource, obj)
+                return json_response(_as_served(resource, obj))
             return json_response(_deleted_status(resource, obj))
         if method == "DELETE" and not name:
-            return self._delete_collection(request, resource, namespace, dry_run=dry_run)
+            return self._delete_collection(request, resource, namespace, dry_run=options.dry_run)
         raise errors.method_not_allowed()
-
-    def _render(
-        self, request: web.Request, resource: ResourceType, obj: Object, status: int = 200
-    ) -> web.Response:
-        return json_response(_as_served(resource, obj), status)
 
     def _filters(
         self, request: web.Request, resource: ResourceType, namespace: str | None
     ) -> Callable[[Object], bool]:
-        label = selectors.parse_label_selector(request.query.get("labelSelector", ""))
-        fields = selectors.parse_field_selector(
+        label = selecting.parse_label_selector(request.query.get("labelSelector", ""))
+        fields = selecting.parse_field_selector(
             request.query.get("fieldSelector", ""), resource.kind, resource.custom
         )
         checks = [check for check in (label, fields) if check is not None]
@@ -526,6 +527,59 @@ async def _read_body(request: web.Request) -> Any:
         f"application/json, application/yaml (got {content_type})",
         "UnsupportedMediaType",
     )
+
+
+def _check_list_options(request: web.Request) -> None:
+    """kube-apiserver v1.20's ListOptions rules (which also turn WatchList clients away,
+    so that client-go falls back to list-then-watch, as it does with a real v1.20)."""
+    match = request.query.get("resourceVersionMatch", "")
+    if not match:
+        return
+    problems: list[errors.FieldError] = []
+    if _flag(request.query.get("watch")):
+        problems.append(
+            errors.FieldError.forbidden(
+                "resourceVersionMatch", "resourceVersionMatch is forbidden for watch"
+            )
+        )
+    if not request.query.get("resourceVersion"):
+        problems.append(
+            errors.FieldError.forbidden(
+                "resourceVersionMatch",
+                "resourceVersionMatch is forbidden unless resourceVersion is provided",
+            )
+        )
+    if match not in ("NotOlderThan", "Exact"):
+        problems.append(
+            errors.FieldError.not_supported(
+                "resourceVersionMatch", match, ("Exact", "NotOlderThan")
+            )
+        )
+    if problems:
+        options = errors.Target(group="meta.k8s.io", plural="", kind="ListOptions", name="")
+        raise errors.invalid(options, problems)
+
+
+def _write_options(request: web.Request) -> WriteOptions:
+    validation = request.query.get("fieldValidation", "Ignore")
+    if validation not in FIELD_VALIDATIONS:
+        raise errors.bad_request(
+            f"fieldValidation parameter unsupported: {validation} "
+            "(must be one of Ignore, Warn, Strict)"
+        )
+    return WriteOptions(
+        dry_run=request.query.get("dryRun") == "All",
+        field_validation=validation,  # type: ignore[arg-type]  # checked just above
+    )
+
+
+def _written(
+    resource: ResourceType, obj: Object, options: WriteOptions, status: int = 200
+) -> web.Response:
+    response = json_response(_as_served(resource, obj), status)
+    for warning in options.warnings:
+        response.headers.add("Warning", f"299 - {json.dumps(warning)}")
+    return response
 
 
 def _as_served(resource: ResourceType, obj: Object) -> Object:

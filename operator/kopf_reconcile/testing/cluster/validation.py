@@ -312,6 +312,31 @@ def decode(resource: ResourceType, body: Any) -> Object:
     return {"apiVersion": resource.api_version, "kind": resource.kind, **rest}
 
 
+#: Fields that decoding consumes on purpose (not unknown even though they are not stored).
+_WRITE_ONLY_FIELDS = frozenset({"stringData"})
+
+
+def dropped_fields(sent: Any, kept: Any, path: str = "") -> list[str]:
+    """Paths of fields a client sent (non-null) that decoding or pruning did not keep."""
+    if isinstance(sent, dict) and isinstance(kept, dict):
+        dropped: list[str] = []
+        for key, value in sent.items():
+            child = f"{path}.{key}" if path else key
+            if key not in kept:
+                if value is not None and not (not path and key in _WRITE_ONLY_FIELDS):
+                    dropped.append(child)
+            else:
+                dropped.extend(dropped_fields(value, kept[key], child))
+        return dropped
+    if isinstance(sent, list) and isinstance(kept, list) and len(sent) == len(kept):
+        return [
+            p
+            for i, (a, b) in enumerate(zip(sent, kept, strict=True))
+            for p in dropped_fields(a, b, f"{path}[{i}]")
+        ]
+    return []
+
+
 # Validation (422): rules on decoded objects.
 
 
