@@ -32,13 +32,11 @@ per elector instance.
 from __future__ import annotations
 
 import datetime
-import os
-import secrets
-import socket
 from types import TracebackType
 
 import asyncpg
 
+from kopf_reconcile._cogs.identity import unique_holder_id
 from kopf_reconcile._cogs.pg import Database, qualified_table
 from kopf_reconcile.config import ConfigError, Duration
 from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
@@ -64,7 +62,7 @@ class PostgresLeaseElector:
         if holder_id is not None and (not isinstance(holder_id, str) or not holder_id):
             raise ConfigError(f"holder_id must be a non-empty string or None, got {holder_id!r}")
         self._ttl = ttl if isinstance(ttl, LeaseTTL) else LeaseTTL(ttl)
-        self._holder_id = holder_id if holder_id is not None else _unique_holder_id()
+        self._holder_id = holder_id if holder_id is not None else unique_holder_id()
         self._table = qualified_table("table", table)
         self._database = Database(dsn_or_pool, table=self._table, schema=[_schema(self._table)])
         # Take the row when it is free, expired, or already ours; a change of
@@ -197,12 +195,6 @@ class PostgresLeaseElector:
             f"{row['epoch']} until {expires_at.isoformat()} "
             f"({(expires_at - now).total_seconds():.3f}s from now, database clock)"
         )
-
-
-def _unique_holder_id() -> str:
-    """``POD_NAME`` (or the host name) plus a random suffix unique to this instance."""
-    base = os.environ.get("POD_NAME") or socket.gethostname() or "kopf-reconcile"
-    return f"{base}-{secrets.token_hex(4)}"
 
 
 def _schema(table: str) -> str:

@@ -1,0 +1,538 @@
+"""Leader election on a Kubernetes ``coordination.k8s.io/v1`` Lease.
+
+:class:`KubernetesLeaseElector` keeps one Lease per reconciler id, named after
+it, in one namespace, labelled ``app.kubernetes.io/managed-by=kopf-reconcile``
+and with the reconciler id, so ``kubectl get leases`` shows who leads what.
+It follows client-go's ``LeaseLock`` model:
+
+* acquire creates the Lease, or takes over one that is free (released) or
+  expired, by replacing it with the ``metadata.resourceVersion`` (and ``uid``)
+  last read: of two processes racing for it, one gets 409 Conflict and
+  reports contention. A holder that finds the Lease still naming it keeps it.
+* renew replaces the Lease with a fresh ``renewTime``, again conditional on
+  the version last read. When that fails with 409 the Lease is read again:
+  if it still names this holder at the same epoch (an unrelated edit, or this
+  holder's own earlier write whose answer was lost) the renewal is retried
+  once; otherwise the lease is lost. Other errors are transient.
+* release empties ``holderIdentity`` and sets ``leaseDurationSeconds`` to 1,
+  keeping the transitions, so the next acquirer takes over at once.
+
+Expiry is judged on this process's clock only: like client-go's
+``observedTime``, the elector remembers each lease record (holder,
+``renewTime``, ``resourceVersion``) and the local monotonic time at which it
+first saw it; the lease is expired *for this process* once
+``leaseDurationSeconds`` have passed since then without a change. The
+timestamps in the Lease come from other machines' clocks and are never
+compared with ours (a holder whose clock runs years ahead cannot block a
+takeover, one whose clock runs behind cannot be robbed early). A process
+that has just started waits a full lease duration before taking over a lease
+it finds held, because it cannot know how fresh that record is.
+
+The epoch is ``spec.leaseTransitions``: every change of holder increments it
+and renewals keep it. ``acquireTime``/``renewTime`` are ``MicroTime`` values
+written with exactly six fractional digits (``2006-01-02T15:04:05.000000Z``)
+by :func:`format_micro_time`, never by ``isoformat()``, which drops the
+fraction when the microseconds are 0 and the API server then rejects the
+write. The lease duration is carried in whole seconds
+(``leaseDurationSeconds``), so a TTL that is not a whole number of seconds is
+a :class:`~kopf_reconcile.ConfigError` rather than silently rounded.
+
+Deleted Leases. Deleting a Lease and creating it again restarts
+``leaseTransitions``; the epoch must not go backwards with it, or a zombie
+leader's writes at the old epoch would pass the fence. So a new Lease starts
+one above the highest epoch known: the highest this process has seen for it,
+and the highest any process used, as reported by the source registered with
+:meth:`KubernetesLeaseElector.use_epoch_floor` (a Loop registers its fenced
+repository's ``highest_epoch``). Residual risk: without such a source, a Lease
+deleted while no running process remembers its last epoch restarts at 1, and
+a paused former leader holding a higher epoch is then *not* fenced off by the
+epoch alone; and the floor only covers epochs that reached the fenced store.
+Leases are also only as durable as the cluster's etcd. When that is not
+acceptable, :class:`~kopf_reconcile.leader.postgres.PostgresLeaseElector` is
+the strong-fencing choice: its epoch lives in the same database as the
+fenced rows and is never reset.
+
+Leader election is not fencing: a process paused past its lease still
+believes it leads until it wakes up. The epoch, checked by the fenced
+repository, is what rejects its late writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import os
+import time
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self
+
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import load_incluster_config, load_kube_config
+from kubernetes_asyncio.config.config_exception import ConfigException
+from kubernetes_asyncio.config.kube_config import list_kube_config_contexts
+
+from kopf_reconcile._cogs.identity import unique_holder_id
+from kopf_reconcile.config import ConfigError, Duration
+from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
+
+__all__ = [
+    "DEFAULT_LEASE_TTL",
+    "MANAGED_BY",
+    "MANAGED_BY_LABEL",
+    "RECONCILER_LABEL",
+    "EpochFloor",
+    "KubernetesLeaseElector",
+    "format_micro_time",
+    "lease_duration_seconds",
+]
+
+DEFAULT_LEASE_TTL = LeaseTTL(15)  # client-go's LeaseDuration default
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "kopf-reconcile"
+RECONCILER_LABEL = "kopf-reconcile/reconciler-id"
+RELEASED_LEASE_SECONDS = 1  # what a released Lease says, as client-go writes it
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+#: An async source of the highest epoch ever used (e.g. a fenced store's ``highest_epoch``).
+EpochFloor = Callable[[], Awaitable[int]]
+Lease = dict[str, Any]
+
+_COLLECTION = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+_ITEM = _COLLECTION + "/{name}"
+_MAX_INT32 = 2**31 - 1
+_MAX_LABEL_VALUE = 63
+_LABEL_DIGEST = 10
+# A Lease deleted between our read and our write is read again this many times.
+_ACQUIRE_READS = 3
+# After a 409, renew and release read the Lease again and retry once if it is still ours.
+_OWN_WRITE_ATTEMPTS = 2
+
+
+def format_micro_time(moment: datetime.datetime) -> str:
+    """A ``metav1.MicroTime``: UTC with exactly six fractional digits, even when they are 0."""
+    if moment.tzinfo is None:
+        raise ValueError(f"a MicroTime needs an aware datetime, got naive {moment!r}")
+    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease_duration_seconds(ttl: LeaseTTL) -> int:
+    """The TTL as ``spec.leaseDurationSeconds``; what whole seconds cannot carry is refused."""
+    whole = int(ttl.seconds)
+    if whole != ttl.seconds or not 1 <= whole <= _MAX_INT32:
+        raise ConfigError(
+            f"ttl of a Kubernetes Lease must be a whole number of seconds from 1 to "
+            f"{_MAX_INT32} (it is stored as spec.leaseDurationSeconds), got {ttl.seconds!r} s"
+        )
+    return whole
+
+
+def _wall_clock() -> datetime.datetime:
+    """Now, for the informational ``acquireTime``/``renewTime`` fields and the token."""
+    return datetime.datetime.now(datetime.UTC)
+
+
+@dataclasses.dataclass
+class _Observation:
+    """The last Lease record seen, and when (local monotonic clock) it was first seen."""
+
+    lease: Lease
+    record: tuple[str, str, str]  # holderIdentity, renewTime, resourceVersion
+    at: float
+
+
+class KubernetesLeaseElector:
+    """A :class:`~kopf_reconcile.leader.protocol.LeaderElector` on Kubernetes Leases.
+
+    ``api`` is a kubernetes-asyncio ``ApiClient``, borrowed: the elector never
+    closes it. Without one, the elector creates (and :meth:`close` closes) its
+    own on first use, from the ``kubeconfig`` file when given, else from the
+    in-cluster service account, else from the default kubeconfig
+    (``$KUBECONFIG`` or ``~/.kube/config``). ``namespace`` defaults to
+    ``POD_NAMESPACE``, then the namespace of that configuration (the kubeconfig
+    context's, or the service account's), then ``default``.
+    """
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        ttl: LeaseTTL | Duration = DEFAULT_LEASE_TTL,
+        holder_id: str | None = None,
+        api: ApiClient | None = None,
+        kubeconfig: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """``holder_id`` defaults to ``POD_NAME`` (or the host name) plus a random suffix."""
+        if namespace is not None and (not isinstance(namespace, str) or not namespace):
+            raise ConfigError(f"namespace must be a non-empty string or None, got {namespace!r}")
+        if holder_id is not None and (not isinstance(holder_id, str) or not holder_id):
+            raise ConfigError(f"holder_id must be a non-empty string or None, got {holder_id!r}")
+        if api is not None and kubeconfig is not None:
+            raise ConfigError(
+                f"give either api (a client) or kubeconfig (a file to make one from), not both; "
+                f"got api={api!r} and kubeconfig={kubeconfig!r}"
+            )
+        self._ttl = ttl if isinstance(ttl, LeaseTTL) else LeaseTTL(ttl)
+        self._duration = lease_duration_seconds(self._ttl)
+        self._holder_id = holder_id if holder_id is not None else unique_holder_id()
+        self._namespace = namespace or os.environ.get("POD_NAMESPACE") or None
+        self._api = api
+        self._owns_api = False
+        self._kubeconfig = os.fspath(kubeconfig) if kubeconfig is not None else None
+        self._connecting = asyncio.Lock()
+        self._closed = False
+        self._observed: dict[str, _Observation] = {}
+        self._highest_epoch: dict[str, int] = {}
+        self._epoch_floor: EpochFloor | None = None
+
+    @property
+    def holder_id(self) -> str:
+        """This elector's identity in ``spec.holderIdentity``."""
+        return self._holder_id
+
+    @property
+    def ttl(self) -> LeaseTTL:
+        """How long a lease lasts without renewal (the Loop derives its renew deadline)."""
+        return self._ttl
+
+    @property
+    def namespace(self) -> str | None:
+        """Where the Leases live; ``None`` until first use when it comes from the configuration."""
+        return self._namespace
+
+    def use_epoch_floor(self, source: EpochFloor) -> None:
+        """Seed Leases this elector creates above ``await source()`` (the highest epoch used)."""
+        self._epoch_floor = source
+
+    # -- the LeaderElector protocol ---------------------------------------------
+
+    async def acquire_lease(self, reconciler_id: str) -> LeaseToken:
+        """Become the holder, or raise :class:`LeaseContended` naming the current one."""
+        if not isinstance(reconciler_id, str) or not reconciler_id:
+            raise ValueError(f"reconciler_id must be a non-empty string, got {reconciler_id!r}")
+        for _ in range(_ACQUIRE_READS):
+            lease = await self._read(reconciler_id)
+            if lease is None:
+                return await self._create(reconciler_id)
+            spec = _spec(lease)
+            holder = spec.get("holderIdentity") or ""
+            now = _wall_clock()
+            if holder == self._holder_id:  # still ours (e.g. after a failed release): keep it
+                update: Lease = {"renewTime": format_micro_time(now)}
+            else:
+                if holder:
+                    remaining = self._remaining(reconciler_id, lease)
+                    if remaining >= 0:
+                        raise LeaseContended(
+                            f"{self._where(reconciler_id)} is held by {holder!r} at epoch "
+                            f"{_transitions(lease)}; unless renewed it expires for this "
+                            f"process in {remaining:.1f}s"
+                        )
+                # A change of holder; never below an epoch this process saw before.
+                epoch = max(_transitions(lease), self._highest_epoch.get(reconciler_id, 0)) + 1
+                update = {
+                    "holderIdentity": self._holder_id,
+                    "acquireTime": format_micro_time(now),
+                    "renewTime": format_micro_time(now),
+                    "leaseTransitions": epoch,
+                }
+            try:
+                written = await self._replace(reconciler_id, lease, update)
+            except ApiException as exc:
+                if exc.status == 409:
+                    raise LeaseContended(
+                        f"{self._where(reconciler_id)} changed while {self._holder_id!r} was "
+                        f"taking it over (another process won the race)"
+                    ) from None
+                if exc.status == 404:
+                    continue  # deleted meanwhile: read again, then create it
+                raise
+            return self._token(reconciler_id, written, now)
+        raise LeaseContended(f"{self._where(reconciler_id)} kept disappearing while acquiring it")
+
+    async def renew_lease(self, token: LeaseToken) -> None:
+        """Extend the lease, keeping its epoch; :class:`LeaseLost` if it is not ours any more."""
+        await self._write_own(token, {"renewTime": format_micro_time(_wall_clock())})
+
+    async def release_lease(self, token: LeaseToken) -> None:
+        """Empty the holder so the next acquirer takes over now. Idempotent."""
+        update = {
+            "holderIdentity": "",
+            "leaseDurationSeconds": RELEASED_LEASE_SECONDS,
+            "renewTime": format_micro_time(_wall_clock()),
+        }
+        with contextlib.suppress(LeaseLost):  # not ours any more: nothing to give up
+            await self._write_own(token, update)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close the API client if this elector created it (a borrowed one stays open)."""
+        async with self._connecting:
+            self._closed = True
+            api, self._api = self._api, None
+            if api is not None and self._owns_api:
+                await api.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<KubernetesLeaseElector holder={self._holder_id!r} "
+            f"namespace={self._namespace!r} ttl={self._duration}s>"
+        )
+
+    # -- the Lease, over HTTP -------------------------------------------------------
+
+    async def _read(self, reconciler_id: str) -> Lease | None:
+        """GET the Lease and record the observation; ``None`` when it does not exist."""
+        try:
+            lease = await self._request("GET", _ITEM, reconciler_id)
+        except ApiException as exc:
+            if exc.status == 404:
+                self._observed.pop(reconciler_id, None)
+                return None
+            raise
+        self._observe(reconciler_id, lease)
+        return lease
+
+    async def _create(self, reconciler_id: str) -> LeaseToken:
+        floor = 0
+        if self._epoch_floor is not None:
+            floor = await self._epoch_floor()
+            if isinstance(floor, bool) or not isinstance(floor, int):
+                raise TypeError(f"the epoch floor source returned {floor!r}, not an int")
+        epoch = max(floor, self._highest_epoch.get(reconciler_id, 0)) + 1
+        now = _wall_clock()
+        namespace = await self._resolved_namespace()
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": reconciler_id,
+                "namespace": namespace,
+                "labels": _labels(reconciler_id),
+            },
+            "spec": {
+                "holderIdentity": self._holder_id,
+                "leaseDurationSeconds": self._duration,
+                "acquireTime": format_micro_time(now),
+                "renewTime": format_micro_time(now),
+                "leaseTransitions": epoch,
+            },
+        }
+        try:
+            created = await self._request("POST", _COLLECTION, reconciler_id, body)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise LeaseContended(
+                    f"{self._where(reconciler_id)} was created by another process meanwhile"
+                ) from None
+            raise
+        self._observe(reconciler_id, created)
+        return self._token(reconciler_id, created, now)
+
+    async def _replace(self, reconciler_id: str, lease: Lease, update: Lease) -> Lease:
+        """PUT ``lease`` with ``update`` in its spec, conditional on its version and uid."""
+        metadata = {k: v for k, v in lease.get("metadata", {}).items() if k != "managedFields"}
+        metadata["labels"] = {**(metadata.get("labels") or {}), **_labels(reconciler_id)}
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": metadata,
+            "spec": {**_spec(lease), "leaseDurationSeconds": self._duration, **update},
+        }
+        written = await self._request("PUT", _ITEM, reconciler_id, body)
+        self._observe(reconciler_id, written)
+        return written
+
+    async def _write_own(self, token: LeaseToken, update: Lease) -> None:
+        """Replace the Lease while it names us at ``token.epoch``; else :class:`LeaseLost`."""
+        rid = token.reconciler_id
+        observed = self._observed.get(rid)
+        lease = observed.lease if observed is not None else None
+        for _ in range(_OWN_WRITE_ATTEMPTS):
+            if lease is None or not self._holds(lease, token):
+                lease = await self._read(rid)
+                if lease is None:
+                    raise LeaseLost(f"{self._where(rid)} was deleted")
+                if not self._holds(lease, token):
+                    holder = _spec(lease).get("holderIdentity") or "nobody (released)"
+                    raise LeaseLost(
+                        f"{self._where(rid)} is held by {holder} at epoch {_transitions(lease)}, "
+                        f"no longer by {token.holder_id!r} at epoch {token.epoch}"
+                    )
+            try:
+                await self._replace(rid, lease, update)
+            except ApiException as exc:
+                if exc.status == 409:
+                    lease = None  # changed since we read it: read it again and judge
+                    continue
+                if exc.status == 404:
+                    raise LeaseLost(f"{self._where(rid)} was deleted") from None
+                raise
+            return
+        raise LeaseLost(f"{self._where(rid)} keeps changing under {token.holder_id!r}")
+
+    async def _request(
+        self, method: str, path: str, reconciler_id: str, body: Lease | None = None
+    ) -> Lease:
+        api = await self._client()
+        namespace = await self._resolved_namespace()
+        result = await api.call_api(
+            path,
+            method,
+            path_params={"namespace": namespace, "name": reconciler_id},
+            header_params={"Accept": "application/json", "Content-Type": "application/json"},
+            body=body,
+            response_types_map={200: "object", 201: "object"},
+            auth_settings=["BearerToken"],
+            _return_http_data_only=True,
+            _request_timeout=self._ttl.seconds,  # an answer later than that is useless
+        )
+        if not isinstance(result, dict):
+            raise TypeError(f"{method} {path} answered {result!r}, not a Lease")
+        return result
+
+    # -- observation and ownership ----------------------------------------------------
+
+    def _observe(self, reconciler_id: str, lease: Lease) -> None:
+        spec = _spec(lease)
+        record = (
+            str(spec.get("holderIdentity") or ""),
+            str(spec.get("renewTime") or ""),
+            str(lease.get("metadata", {}).get("resourceVersion") or ""),
+        )
+        previous = self._observed.get(reconciler_id)
+        if previous is None or previous.record != record:
+            self._observed[reconciler_id] = _Observation(lease, record, time.monotonic())
+        else:
+            previous.lease = lease
+        self._highest_epoch[reconciler_id] = max(
+            self._highest_epoch.get(reconciler_id, 0), _transitions(lease)
+        )
+
+    def _remaining(self, reconciler_id: str, lease: Lease) -> float:
+        """Seconds until the observed record expires for this process (negative: expired)."""
+        observed = self._observed[reconciler_id]
+        duration = _spec(lease).get("leaseDurationSeconds") or self._duration
+        return observed.at + float(duration) - time.monotonic()
+
+    def _holds(self, lease: Lease, token: LeaseToken) -> bool:
+        spec = _spec(lease)
+        return spec.get("holderIdentity") == token.holder_id and _transitions(lease) == token.epoch
+
+    def _token(self, reconciler_id: str, lease: Lease, now: datetime.datetime) -> LeaseToken:
+        return LeaseToken(
+            reconciler_id=reconciler_id,
+            holder_id=self._holder_id,
+            epoch=_transitions(lease),
+            acquired_at=now,
+            expires_at=now + datetime.timedelta(seconds=self._duration),
+        )
+
+    def _where(self, reconciler_id: str) -> str:
+        return f"lease {self._namespace}/{reconciler_id}"
+
+    # -- configuration --------------------------------------------------------------
+
+    async def _client(self) -> ApiClient:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._api is not None:
+            return self._api
+        async with self._connecting:
+            if self._closed:
+                raise RuntimeError(f"{self!r} is closed")
+            if self._api is None:
+                self._api, namespace = await _connect(self._kubeconfig)
+                self._owns_api = True
+                if self._namespace is None:
+                    self._namespace = namespace or "default"
+            return self._api
+
+    async def _resolved_namespace(self) -> str:
+        if self._namespace is None:
+            await self._client()
+        if self._namespace is None:  # a borrowed client: the default kubeconfig may say
+            self._namespace = _kubeconfig_namespace(None) or "default"
+        return self._namespace
+
+
+async def _connect(kubeconfig: str | None) -> tuple[ApiClient, str | None]:
+    """A new client and the namespace its configuration names (if any)."""
+    configuration = Configuration()
+    if kubeconfig is None:
+        try:
+            load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except ConfigException:
+            pass  # not in a pod: fall back to the default kubeconfig
+        else:
+            return ApiClient(configuration), _service_account_namespace()
+    path = kubeconfig if kubeconfig is not None else _default_kubeconfig()
+    try:
+        await load_kube_config(
+            config_file=path, client_configuration=configuration, persist_config=False
+        )
+    except (ConfigException, OSError) as exc:
+        raise ConfigError(f"kubeconfig {path!r} cannot be used: {exc}") from exc
+    return ApiClient(configuration), _kubeconfig_namespace(path)
+
+
+def _default_kubeconfig() -> str:
+    return os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+
+
+def _kubeconfig_namespace(path: str | None) -> str | None:
+    """The current context's namespace in a kubeconfig (``None``: the default one)."""
+    path = path if path is not None else _default_kubeconfig()
+    if not any(os.path.exists(os.path.expanduser(p)) for p in path.split(os.pathsep) if p):
+        return None
+    try:
+        _, current = list_kube_config_contexts(path)
+    except (ConfigException, OSError, KeyError, TypeError):
+        return None
+    namespace = ((current or {}).get("context") or {}).get("namespace")
+    return namespace if isinstance(namespace, str) and namespace else None
+
+
+def _service_account_namespace() -> str | None:
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE) as file:
+            return file.read().strip() or None
+    except OSError:
+        return None
+
+
+def _spec(lease: Lease) -> Lease:
+    spec = lease.get("spec")
+    return spec if isinstance(spec, dict) else {}
+
+
+def _transitions(lease: Lease) -> int:
+    value = _spec(lease).get("leaseTransitions")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _labels(reconciler_id: str) -> dict[str, str]:
+    return {MANAGED_BY_LABEL: MANAGED_BY, RECONCILER_LABEL: _label_value(reconciler_id)}
+
+
+def _label_value(reconciler_id: str) -> str:
+    """The reconciler id as a label value (at most 63 characters: long ids get a digest)."""
+    if len(reconciler_id) <= _MAX_LABEL_VALUE:
+        return reconciler_id
+    digest = hashlib.sha256(reconciler_id.encode()).hexdigest()[:_LABEL_DIGEST]
+    return f"{reconciler_id[: _MAX_LABEL_VALUE - _LABEL_DIGEST - 1]}-{digest}"
