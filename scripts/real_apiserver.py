@@ -13,7 +13,8 @@ and a fast no-op once the binary is cached):
 2. derive ``deb-src`` entries from the machine's own apt source entries for
    Debian into a private apt configuration in the cache (the system's apt
    configuration is never touched) and ``apt-get source`` the package;
-3. ``make WHAT=cmd/kube-apiserver`` in the unpacked tree, offline;
+3. replace the vendored Go modules that predate Go 1.18 by Debian's packaged
+   fixed releases, then ``make WHAT=cmd/kube-apiserver`` in the tree, offline;
 4. check that the result runs and reports the expected version, record that
    report next to the binary, and install it atomically.
 
@@ -42,8 +43,22 @@ SOURCE_VERSION = "1.20.5+really1.20.2-1.1+deb12u1"
 #: The Debian release whose archive carries SOURCE_VERSION.
 DEBIAN_CODENAME = "bookworm"
 GO_ROOT = Path("/usr/lib/go-1.19")
+#: Vendored Go modules too old for Go >= 1.18, and the Debian packages of their fixed
+#: releases (upstream Kubernetes made the same bump on its later branches): reflect2
+#: 1.0.1 reads map internals that Go 1.18 changed, so a server built with it dies
+#: encoding any custom resource.
+VENDOR_REPLACEMENTS = {"github.com/modern-go/reflect2": "golang-github-modern-go-reflect2-dev"}
+DEBIAN_GO_SOURCES = Path("/usr/share/gocode/src")
 #: Needed to build (go, rsync, make, dpkg-source) and to run the tier (etcd, openssl).
-PACKAGES = ("golang-1.19-go", "rsync", "make", "dpkg-dev", "etcd-server", "openssl")
+PACKAGES = (
+    "golang-1.19-go",
+    *VENDOR_REPLACEMENTS.values(),
+    "rsync",
+    "make",
+    "dpkg-dev",
+    "etcd-server",
+    "openssl",
+)
 RUNTIME_PACKAGES = ("etcd-server", "openssl")
 SYSTEM_SOURCE_LIST = Path("/etc/apt/sources.list")
 SYSTEM_SOURCE_PARTS = Path("/etc/apt/sources.list.d")
@@ -107,6 +122,13 @@ def missing_packages(packages: Sequence[str]) -> list[str]:
         if query.stdout.strip() != "installed":
             missing.append(package)
     return missing
+
+
+def package_version(package: str) -> str:
+    query = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Version}", package], capture_output=True, text=True, check=True
+    )
+    return query.stdout.strip()
 
 
 def install_packages(packages: Sequence[str]) -> None:
@@ -242,6 +264,18 @@ def fetch_source(cache: Path) -> Path:
     return tree
 
 
+def replace_vendored_modules(tree: Path) -> None:
+    """Swap the Go sources of each module in VENDOR_REPLACEMENTS for Debian's release."""
+    for module in VENDOR_REPLACEMENTS:
+        vendored = tree / "vendor" / module
+        for old in [*vendored.glob("*.go"), *vendored.glob("*.s")]:
+            old.unlink()
+        packaged = DEBIAN_GO_SOURCES / module
+        for new in [*packaged.glob("*.go"), *packaged.glob("*.s")]:
+            if not new.name.endswith("_test.go"):
+                shutil.copy2(new, vendored / new.name)
+
+
 # --- step 3: build -----------------------------------------------------------
 
 
@@ -297,11 +331,16 @@ def install(built: Path, target: Path) -> None:
     staging = target.with_name(f".{target.name}.new")
     shutil.copy2(built, staging)
     staging.replace(target)
-    record = target.with_name("VERSION")
-    record.write_text(
-        f"{version}\nsource package: {SOURCE_PACKAGE} {SOURCE_VERSION}\n"
-        f"built: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
-    )
+    record = [
+        f"Kubernetes {KUBE_VERSION}",
+        f"source package: {SOURCE_PACKAGE} {SOURCE_VERSION}",
+        *(
+            f"vendor {module}: {package} {package_version(package)}"
+            for module, package in VENDOR_REPLACEMENTS.items()
+        ),
+        f"built: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+    ]
+    target.with_name("VERSION").write_text("\n".join(record) + "\n")
     print(f"installed {target}: {version}", flush=True)
 
 
@@ -316,9 +355,14 @@ def set_up(binary: Path) -> None:
             return
         install_packages(PACKAGES)
         tree = fetch_source(cache)
+        replace_vendored_modules(tree)
         install(build(tree), binary)
-        # The binary is what is cached; its 2 GB source and build tree are not worth keeping.
+        # The binary is what is cached: its 2 GB source and build tree, and the builds
+        # of earlier revisions, are not worth keeping.
         shutil.rmtree(tree.parent)
+        for stale in binary.parent.parent.glob("kube-apiserver-*"):
+            if stale != binary.parent:
+                shutil.rmtree(stale)
 
 
 def main() -> int:

@@ -37,6 +37,8 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 
 #: The Kubernetes release the real tier runs, as ``kube-apiserver --version`` reports it.
 KUBE_VERSION = "v1.20.2"
+#: Bumped whenever the way the binary is built changes, so that older cached builds go unused.
+BUILD_REVISION = 2
 #: The user that may do anything (group ``system:masters``) and the one that may do nothing.
 ADMIN_USER = "admin"
 UNPRIVILEGED_USER = "nobody"
@@ -62,7 +64,7 @@ def cache_dir() -> Path:
 
 def apiserver_binary() -> Path:
     """The cached kube-apiserver build (made by ``scripts/real_apiserver.py``)."""
-    return cache_dir() / f"kube-apiserver-{KUBE_VERSION}" / "kube-apiserver"
+    return cache_dir() / f"kube-apiserver-{KUBE_VERSION}-r{BUILD_REVISION}" / "kube-apiserver"
 
 
 def dying_with_parent(argv: list[str]) -> list[str]:
