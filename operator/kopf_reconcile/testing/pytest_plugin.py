@@ -1,14 +1,23 @@
-"""pytest fixtures for users' own tests: ``embedded_cluster`` and ``embedded_postgres``.
+"""pytest fixtures for users' own tests: an embedded Kubernetes API and embedded PostgreSQL.
 
 Registered through the ``pytest11`` entry point, so installing
 ``kopf-reconcile[testing]`` makes them available without a conftest.
+
+PostgreSQL comes two ways. ``embedded_postgres`` is a server of the test's
+own: the one to stop and start in outage tests. ``embedded_postgres_dsn`` is
+a fresh, empty database on ``embedded_postgres_server``, one server shared by
+the whole session: creating a database takes milliseconds where starting a
+server takes most of a second, so most tests want this one.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
 
+import pytest
 import pytest_asyncio
 
 if TYPE_CHECKING:
@@ -32,3 +41,36 @@ async def embedded_postgres() -> AsyncIterator[EmbeddedPostgres]:
 
     async with EmbeddedPostgres() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def embedded_postgres_server() -> Iterator[EmbeddedPostgres]:
+    """One real PostgreSQL server for the whole session; never stop it in a test.
+
+    A plain (not async) fixture: the server is a separate process, so it is
+    started and removed outside any test's event loop and serves every loop.
+    """
+    from kopf_reconcile.testing.postgres import EmbeddedPostgres
+
+    server = EmbeddedPostgres()
+    try:
+        asyncio.run(server.start())
+        yield server
+    finally:
+        asyncio.run(server.close())
+
+
+@pytest_asyncio.fixture
+async def embedded_postgres_dsn(embedded_postgres_server: EmbeddedPostgres) -> AsyncIterator[str]:
+    """The DSN of a fresh, empty database on the shared server, dropped after the test."""
+    import asyncpg
+
+    dsn = await embedded_postgres_server.create_database()
+    yield dsn
+    name = unquote(urlsplit(dsn).path.lstrip("/"))
+    connection = await asyncpg.connect(embedded_postgres_server.dsn)
+    try:
+        # FORCE: connections the test left open would otherwise block the drop.
+        await connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await connection.close()
