@@ -2,20 +2,30 @@
 
 :class:`PostgresLeaseElector` keeps one row per reconciler id: who holds the
 lease, its epoch, when it was acquired and renewed, and when it expires.
-Every operation is a single compare-and-swap statement, so two processes can
+Every write is a single compare-and-swap statement, so two processes can
 never both succeed:
 
-* acquire inserts the row, or takes it over when it is free (released) or
-  expired, or extends it when the caller already holds it. The epoch is 1 for
-  the first holder and grows by one on every change of holder; re-acquiring
-  by the same holder keeps it. Rows are never deleted, so the epoch never
-  resets — this is the strong-fencing elector: the epoch is durable in the
-  same database as the fenced rows.
+* acquire takes the row over when it is free (released) or expired, or
+  extends it when the caller already holds it; when there is no row yet, it
+  inserts one (``ON CONFLICT DO NOTHING``: of two processes creating it at
+  once, one wins and the other is told the lease is contended). The epoch
+  grows by one on every change of holder; re-acquiring by the same holder
+  keeps it. The elector never deletes rows, so the epoch never resets — this
+  is the strong-fencing elector: the epoch is durable in the same database as
+  the fenced rows.
 * renew extends the expiry only while the caller still holds an unexpired
   lease at the same epoch; otherwise :class:`~kopf_reconcile.leader.protocol.LeaseLost`.
 * release empties the holder and expires the lease now, so the next acquirer
   takes over at once (with the next epoch) instead of after the TTL. It is
   idempotent, and releasing a lease that was already lost is not an error.
+
+A row can still disappear (deleted by hand, table dropped and recreated). A
+new row therefore never starts below an epoch already used: it starts one
+above the highest epoch this elector has seen for the reconciler and the
+highest any process used, as reported by the source registered with
+:meth:`PostgresLeaseElector.use_epoch_floor` (a Loop registers its fenced
+repository's ``highest_epoch``). Without such a source, a row deleted while
+no running elector remembers its last epoch restarts at 1.
 
 Expiry is judged by the database clock, the one clock every contender
 shares; no two machines' clocks are ever compared. Each statement reads it
@@ -32,6 +42,7 @@ per elector instance.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 
 import asyncpg
@@ -65,23 +76,27 @@ class PostgresLeaseElector:
         self._holder_id = holder_id if holder_id is not None else unique_holder_id()
         self._table = qualified_table("table", table)
         self._database = Database(dsn_or_pool, table=self._table, schema=[_schema(self._table)])
+        self._highest_epoch: dict[str, int] = {}
+        self._epoch_floor: Callable[[], Awaitable[int]] | None = None
         # Take the row when it is free, expired, or already ours; a change of
         # holder bumps the epoch. $3 is the TTL in milliseconds.
-        self._acquire_sql = f"""
-            INSERT INTO {self._table} AS lease
-                (reconciler_id, holder_id, epoch, acquired_at, renewed_at, expires_at)
-            VALUES ($1, $2, 1, now(), now(),
-                    now() + $3::bigint * interval '1 millisecond')
-            ON CONFLICT (reconciler_id) DO UPDATE
-               SET holder_id = EXCLUDED.holder_id,
-                   epoch = CASE WHEN lease.holder_id = EXCLUDED.holder_id
-                                THEN lease.epoch ELSE lease.epoch + 1 END,
+        self._take_sql = f"""
+            UPDATE {self._table}
+               SET epoch = CASE WHEN holder_id = $2 THEN epoch ELSE epoch + 1 END,
+                   holder_id = $2,
                    acquired_at = now(),
                    renewed_at = now(),
                    expires_at = now() + $3::bigint * interval '1 millisecond'
-             WHERE lease.holder_id = EXCLUDED.holder_id
-                OR lease.holder_id = '{_FREE}'
-                OR lease.expires_at <= now()
+             WHERE reconciler_id = $1
+               AND (holder_id = $2 OR holder_id = '{_FREE}' OR expires_at <= now())
+            RETURNING epoch, acquired_at, expires_at
+        """
+        # No row yet: create it at the seed epoch $4, unless another process just did.
+        self._create_sql = f"""
+            INSERT INTO {self._table}
+                (reconciler_id, holder_id, epoch, acquired_at, renewed_at, expires_at)
+            VALUES ($1, $2, $4, now(), now(), now() + $3::bigint * interval '1 millisecond')
+            ON CONFLICT (reconciler_id) DO NOTHING
             RETURNING epoch, acquired_at, expires_at
         """
         self._renew_sql = f"""
@@ -112,6 +127,16 @@ class PostgresLeaseElector:
         """How long a lease lasts without renewal."""
         return self._ttl
 
+    def use_epoch_floor(self, source: Callable[[], Awaitable[int]]) -> None:
+        """Start new lease rows above ``await source()``, the highest epoch any process used.
+
+        The source is awaited only when the row must be created; if it fails,
+        acquiring fails (the Loop retries) rather than risking a lower epoch.
+        """
+        if not callable(source):
+            raise ConfigError(f"the epoch floor source must be an async callable, got {source!r}")
+        self._epoch_floor = source
+
     async def migrate(self) -> None:
         """Create the lease table if it does not exist (idempotent, safe across processes)."""
         await self._database.migrate()
@@ -121,15 +146,25 @@ class PostgresLeaseElector:
         if not isinstance(reconciler_id, str) or not reconciler_id:
             raise ValueError(f"reconciler_id must be a non-empty string, got {reconciler_id!r}")
         pool = await self._database.pool()
-        row = await pool.fetchrow(
-            self._acquire_sql, reconciler_id, self._holder_id, self._ttl.milliseconds
-        )
+        ttl = self._ttl.milliseconds
+        row = await pool.fetchrow(self._take_sql, reconciler_id, self._holder_id, ttl)
         if row is None:
-            raise LeaseContended(await self._describe(pool, reconciler_id))
+            current = await pool.fetchrow(self._read_sql, reconciler_id)
+            if current is not None:
+                self._saw_epoch(reconciler_id, int(current["epoch"]))
+                raise LeaseContended(_describe(reconciler_id, current))
+            seed = await self._seed_epoch(reconciler_id)
+            row = await pool.fetchrow(self._create_sql, reconciler_id, self._holder_id, ttl, seed)
+            if row is None:
+                raise LeaseContended(
+                    f"lease {reconciler_id!r} was created by another process meanwhile"
+                )
+        epoch = int(row["epoch"])
+        self._saw_epoch(reconciler_id, epoch)
         return LeaseToken(
             reconciler_id=reconciler_id,
             holder_id=self._holder_id,
-            epoch=int(row["epoch"]),
+            epoch=epoch,
             acquired_at=row["acquired_at"],
             expires_at=row["expires_at"],
         )
@@ -145,9 +180,10 @@ class PostgresLeaseElector:
             self._ttl.milliseconds,
         )
         if expires_at is None:
+            current = await pool.fetchrow(self._read_sql, token.reconciler_id)
             raise LeaseLost(
                 f"{token.holder_id!r} no longer holds epoch {token.epoch}: "
-                f"{await self._describe(pool, token.reconciler_id)}"
+                f"{_describe(token.reconciler_id, current)}"
             )
 
     async def release_lease(self, token: LeaseToken) -> None:
@@ -176,25 +212,37 @@ class PostgresLeaseElector:
             f"ttl={self._ttl.seconds}s at {self._database.describe()}>"
         )
 
-    async def _describe(self, pool: asyncpg.Pool, reconciler_id: str) -> str:
-        """The lease's current state in words, for contention and loss messages."""
-        row = await pool.fetchrow(self._read_sql, reconciler_id)
-        if row is None:
-            return f"lease {reconciler_id!r} does not exist"
-        expires_at: datetime.datetime = row["expires_at"]
-        now: datetime.datetime = row["now"]
-        if row["holder_id"] == _FREE:
-            return f"lease {reconciler_id!r} is free (released) at epoch {row['epoch']}"
-        if expires_at <= now:
-            return (
-                f"lease {reconciler_id!r} held by {row['holder_id']!r} "
-                f"expired at {expires_at.isoformat()}"
-            )
+    async def _seed_epoch(self, reconciler_id: str) -> int:
+        """The epoch of a new row: above every epoch seen here and the floor source's."""
+        floor = 0
+        if self._epoch_floor is not None:
+            floor = await self._epoch_floor()
+            if isinstance(floor, bool) or not isinstance(floor, int):
+                raise TypeError(f"the epoch floor source returned {floor!r}, not an int")
+        return max(floor, self._highest_epoch.get(reconciler_id, 0)) + 1
+
+    def _saw_epoch(self, reconciler_id: str, epoch: int) -> None:
+        self._highest_epoch[reconciler_id] = max(self._highest_epoch.get(reconciler_id, 0), epoch)
+
+
+def _describe(reconciler_id: str, row: asyncpg.Record | None) -> str:
+    """A lease row's state in words, for contention and loss messages."""
+    if row is None:
+        return f"lease {reconciler_id!r} does not exist"
+    expires_at: datetime.datetime = row["expires_at"]
+    now: datetime.datetime = row["now"]
+    if row["holder_id"] == _FREE:
+        return f"lease {reconciler_id!r} is free (released) at epoch {row['epoch']}"
+    if expires_at <= now:
         return (
-            f"lease {reconciler_id!r} is held by {row['holder_id']!r} at epoch "
-            f"{row['epoch']} until {expires_at.isoformat()} "
-            f"({(expires_at - now).total_seconds():.3f}s from now, database clock)"
+            f"lease {reconciler_id!r} held by {row['holder_id']!r} "
+            f"expired at {expires_at.isoformat()}"
         )
+    return (
+        f"lease {reconciler_id!r} is held by {row['holder_id']!r} at epoch "
+        f"{row['epoch']} until {expires_at.isoformat()} "
+        f"({(expires_at - now).total_seconds():.3f}s from now, database clock)"
+    )
 
 
 def _schema(table: str) -> str:
