@@ -42,13 +42,18 @@ async def api_client(kube: Any) -> AsyncIterator[Any]:
         await client.close()
 
 
-@pytest_asyncio.fixture
-async def widgets(
-    request: pytest.FixtureRequest, http: aiohttp.ClientSession, unique: Callable[[str], str]
-) -> AsyncIterator[Widgets]:
-    """A fresh CRD (kind Widget, in a group of its own), established and discoverable."""
+@pytest.fixture
+def custom_resources(request: pytest.FixtureRequest) -> None:
+    """Skip where the backend cannot serve custom resources (see ``REAL_TIER_CRASHES``)."""
     if request.node.callspec.params.get("kube") == "real":
         pytest.skip(REAL_TIER_CRASHES)
+
+
+@pytest_asyncio.fixture
+async def widgets(
+    custom_resources: None, http: aiohttp.ClientSession, unique: Callable[[str], str]
+) -> AsyncIterator[Widgets]:
+    """A fresh CRD (kind Widget, in a group of its own), established and discoverable."""
     group = f"{unique('g')}.example.com"
     response = await http.post(CRDS, json=widget_crd(group))
     assert response.status == 201, await response.text()

@@ -3,11 +3,12 @@ the status subresource, finalizers, and the patch types kopf and kubectl send.""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 import aiohttp
 from widget_kind import CRDS, Widgets, widget_crd
+
+from support import eventually
 
 MERGE = {"Content-Type": "application/merge-patch+json"}
 JSON_PATCH = {"Content-Type": "application/json-patch+json"}
@@ -164,11 +165,12 @@ async def test_deleting_the_crd_deletes_its_objects(
     await http.post(widgets.url, json=widgets.body("w1", size=1))
     response = await http.delete(f"{CRDS}/widgets.{widgets.group}")
     assert response.status == 200
-    async with asyncio.timeout(30):
-        while (await http.get(f"{CRDS}/widgets.{widgets.group}")).status != 404:
-            await asyncio.sleep(0.1)
-        while (await http.get(f"/apis/{widgets.group}/v1")).status != 404:
-            await asyncio.sleep(0.1)
+
+    async def gone(path: str) -> bool:
+        return (await http.get(path)).status == 404
+
+    await eventually(lambda: gone(f"{CRDS}/widgets.{widgets.group}"), 30, message="CRD gone")
+    await eventually(lambda: gone(f"/apis/{widgets.group}/v1"), 30, message="group unserved")
 
 
 async def test_crd_validation(http: aiohttp.ClientSession, unique: Callable[[str], str]) -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
+import pytest
+
 from kopf_reconcile.testing.cluster import EmbeddedCluster
+from support import eventually
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 
@@ -58,14 +62,36 @@ async def test_injected_fault_fails_the_next_matching_requests(
 async def test_cut_watch_drops_the_connection(embedded_cluster: EmbeddedCluster) -> None:
     async with embedded_cluster.http_session() as http:
         params = {"watch": "true", "resourceVersion": "0"}
-        async with http.get(LEASES, params=params) as response:
-            async with asyncio.timeout(5):
-                while embedded_cluster.cut_watches(r".*/leases") == 0:
-                    await asyncio.sleep(0.01)
-                try:
+        async with http.get("/api/v1/namespaces", params=params) as other:
+            async with http.get(LEASES, params=params) as response:
+                await eventually(lambda: embedded_cluster.sizes()["streams"] == 2)
+                assert embedded_cluster.cut_watches(r".*/leases") == 1
+                with pytest.raises(aiohttp.ClientPayloadError):
                     await response.content.read()
-                    ended = "cleanly"
-                except Exception:
-                    ended = "abruptly"
-    assert ended == "abruptly"
-    assert embedded_cluster.sizes()["watchers"] == 0
+            assert embedded_cluster.sizes()["streams"] == 1  # the namespaces watch goes on
+            assert json.loads(await other.content.readline())["type"] == "ADDED"
+    await eventually(lambda: embedded_cluster.sizes()["watchers"] == 0)
+
+
+async def test_injected_delay_then_pass_through(embedded_cluster: EmbeddedCluster) -> None:
+    fault = embedded_cluster.inject_fault(
+        "*", r"/api/v1/namespaces/default", delay=0.05, times=None
+    )
+    async with embedded_cluster.http_session() as http:
+        for _ in range(3):
+            assert (await http.get("/api/v1/namespaces/default")).status == 200
+    assert fault.fired == 3
+    assert embedded_cluster.sizes()["faults"] == 1  # times=None: until cleared
+    embedded_cluster.clear_faults()
+    assert embedded_cluster.sizes()["faults"] == 0
+
+
+async def test_injected_fault_body_is_a_status(embedded_cluster: EmbeddedCluster) -> None:
+    embedded_cluster.inject_fault("PUT", r".*/leases/.*", status=409)
+    async with embedded_cluster.http_session() as http:
+        response = await http.put(f"{LEASES}/a", json={"metadata": {"name": "a"}})
+        status = await response.json()
+    assert response.status == 409
+    assert status["kind"] == "Status"
+    assert status["reason"] == "Conflict"
+    assert status["code"] == 409

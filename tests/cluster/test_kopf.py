@@ -16,8 +16,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support import eventually
 from widget_kind import Widgets
+
+from support import eventually
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from support import eventually
-from widget_kind import REAL_TIER_CRASHES, widget_crd
+from widget_kind import widget_crd
 
+from support import eventually
 
 KUBECTL = Path(sys.executable).with_name("kubectl")
 
@@ -108,17 +108,11 @@ async def test_apply_replace_delete_lease(
     assert (await http.get(url)).status == 404
 
 
+@pytest.mark.usefixtures("custom_resources")
 async def test_apply_a_crd_and_its_object(
-    request: pytest.FixtureRequest,
-    kube: Any,
-    http: aiohttp.ClientSession,
-    kube_namespace: str,
-    tmp_path: Path,
-    unique: Callable[[str], str],
+    kube: Any, http: aiohttp.ClientSession, kube_namespace: str, tmp_path: Path
 ) -> None:
-    if request.node.callspec.params.get("kube") == "real":
-        pytest.skip(REAL_TIER_CRASHES)
-    group = f"{unique('g')}.example.com"
+    group = f"{kube_namespace}.example.com"  # CRDs are cluster-wide: a group of its own
     await kubectl(kube, "apply", "-f", manifest(tmp_path, "crd", widget_crd(group)))
 
     async def established() -> bool:

@@ -84,7 +84,8 @@ async def test_stale_resource_version_conflicts(
         "metadata": {},
         "status": "Failure",
         "message": f'Operation cannot be fulfilled on leases.coordination.k8s.io "{name}": '
-        "the object has been modified; please apply your changes to the latest version and try again",
+        "the object has been modified; please apply your changes to the latest version and "
+        "try again",
         "reason": "Conflict",
         "details": {"name": name, "group": "coordination.k8s.io", "kind": "leases"},
         "code": 409,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
 from support import eventually
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"

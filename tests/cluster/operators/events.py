@@ -1,4 +1,8 @@
-"""A kopf operator with one ``on.event`` handler; each event goes to TEST_LOG as ``<type> <name>``."""
+"""A kopf operator with one ``on.event`` handler.
+
+The resource comes from TEST_GROUP/TEST_VERSION/TEST_PLURAL; each event is appended to the
+file TEST_LOG as ``<type> <name>``.
+"""
 
 import os
 from typing import Any

@@ -14,8 +14,8 @@ from __future__ import annotations
 import copy
 import random
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -353,13 +353,13 @@ class ResourceAPI:
         target = resource.target(name)
         current = self.get(resource, namespace, name)
         meta = current["metadata"]
-        for field, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
-            expected = (preconditions or {}).get(field)
-            if expected is not None and expected != meta.get(field):
+        for key, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            expected = (preconditions or {}).get(key)
+            if expected is not None and expected != meta.get(key):
                 raise errors.conflict(
                     target,
                     f"Precondition failed: {label} in precondition: {expected}, "
-                    f"{label} in object meta: {meta.get(field)}",
+                    f"{label} in object meta: {meta.get(key)}",
                 )
         finalized = self._needs_finalization(resource, current)
         if dry_run or meta.get("deletionTimestamp"):

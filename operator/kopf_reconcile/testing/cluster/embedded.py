@@ -69,7 +69,13 @@ class EmbeddedCluster:
         if self._runner is not None:
             raise RuntimeError("the embedded cluster is already running")
         runner = web.AppRunner(
-            self.server.app, access_log=None, handle_signals=False, shutdown_timeout=1.0
+            self.server.app,
+            access_log=None,  # no per-request log: memory stays flat
+            handle_signals=False,
+            shutdown_timeout=1.0,
+            # A client that hangs up ends its handler at once, so an idle watch whose client
+            # went away does not linger until its timeout (kube-apiserver notices too).
+            handler_cancellation=True,
         )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", self._port)

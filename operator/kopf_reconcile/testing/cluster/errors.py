@@ -158,7 +158,8 @@ def conflict(target: Target, detail: str) -> ApiError:
 def stale_resource_version(target: Target) -> ApiError:
     return conflict(
         target,
-        "the object has been modified; please apply your changes to the latest version and try again",
+        "the object has been modified; please apply your changes to the latest version and "
+        "try again",
     )
 
 

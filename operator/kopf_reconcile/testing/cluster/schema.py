@@ -99,13 +99,14 @@ def _as_field_error(error: jsonschema.ValidationError) -> FieldError:
     if validator == "required":
         missing = error.message.split("'")[1] if "'" in error.message else ""
         return FieldError.required(_field_path([*path, missing]) if missing else field)
+    expected: Any = error.validator_value
     if validator == "type":
-        expected = error.validator_value
         expected_text = expected if isinstance(expected, str) else " or ".join(expected)
-        body = f"Invalid value: {go_repr(value)}: {field} in body must be of type {expected_text}: {go_repr(value)}"
+        shown = go_repr(value)
+        body = f"Invalid value: {shown}: {field} in body must be of type {expected_text}: {shown}"
         return FieldError(field, "FieldValueTypeInvalid", body)
     if validator == "enum":
-        return FieldError.not_supported(field, value, [str(v) for v in error.validator_value])
+        return FieldError.not_supported(field, value, [str(v) for v in expected])
     detail = _RULES.get(str(validator), "must satisfy {rule} {limit}").format(
         field=field, rule=validator, limit=error.validator_value
     )

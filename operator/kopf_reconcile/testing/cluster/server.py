@@ -65,7 +65,6 @@ class WatchStream:
 
     path: str
     watcher: Watcher
-    request: web.Request
     cut: bool = field(default=False)
 
 
@@ -204,7 +203,7 @@ class ApiServer:
             namespace, segments = segments[1], segments[2:]
         if len(segments) > 3 or not all(segments):
             raise errors.resource_not_served()
-        plural, name, subresource = (segments + ["", ""])[:3]
+        plural, name, subresource = [*segments, "", ""][:3]
         resource = self.api.registry.get(group, version, plural)
         if resource is None or (namespace is not None and not resource.namespaced):
             raise errors.resource_not_served()
@@ -239,10 +238,10 @@ class ApiServer:
             return _written(resource, created, options, status=201)
         if method == "PUT" and name:
             body = await _read_body(request)
-            replaced, created = self.api.replace(
+            replaced, was_created = self.api.replace(
                 resource, namespace, name, body, subresource=address.subresource, options=options
             )
-            return _written(resource, replaced, options, status=201 if created else 200)
+            return _written(resource, replaced, options, status=201 if was_created else 200)
         if method == "PATCH" and name:
             content_type = request.content_type
             readable = content_type in (
@@ -320,9 +319,7 @@ class ApiServer:
         self, request: web.Request, resource: ResourceType, namespace: str, *, dry_run: bool
     ) -> web.StreamResponse:
         matches = self._filters(request, resource, namespace if resource.namespaced else None)
-        items, revision = self.api.list_objects(
-            resource, namespace if resource.namespaced else None
-        )
+        items, _ = self.api.list_objects(resource, namespace if resource.namespaced else None)
         deleted = []
         for obj in items:
             if matches(obj):
@@ -368,24 +365,21 @@ class ApiServer:
                 for obj in store.items(resource.storage_key, namespace)
                 if matches(obj)
             ]
-        stream = WatchStream(request.path, watcher, request)
+        stream = WatchStream(request.path, watcher)
         self.streams.add(stream)
         try:
             await response.prepare(request)
             await self._write_events(response, resource, initial)
             await self._pump(response, resource, watcher, timeout or self.watch_timeout, bookmarks)
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass  # the client went away
+            if stream.cut and request.transport is not None:
+                request.transport.abort()  # an abrupt end, like a dropped connection
+            else:
+                await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away: nothing more to send
         finally:
             store.unwatch(watcher)
             self.streams.discard(stream)
-        if stream.cut and request.transport is not None:
-            request.transport.abort()  # an abrupt end, like a dropped connection
-            return response
-        try:
-            await response.write_eof()
-        except ConnectionResetError:
-            pass
         return response
 
     async def _pump(
@@ -561,15 +555,16 @@ def _check_list_options(request: web.Request) -> None:
 
 
 def _write_options(request: web.Request) -> WriteOptions:
-    validation = request.query.get("fieldValidation", "Ignore")
-    if validation not in FIELD_VALIDATIONS:
+    requested = request.query.get("fieldValidation", "Ignore")
+    validation = next((known for known in FIELD_VALIDATIONS if known == requested), None)
+    if validation is None:
         raise errors.bad_request(
-            f"fieldValidation parameter unsupported: {validation} "
+            f"fieldValidation parameter unsupported: {requested} "
             "(must be one of Ignore, Warn, Strict)"
         )
     return WriteOptions(
         dry_run=request.query.get("dryRun") == "All",
-        field_validation=validation,  # type: ignore[arg-type]  # checked just above
+        field_validation=validation,
     )
 
 
@@ -627,5 +622,6 @@ def _decode_continue(token: str) -> tuple[int, str]:
         return int(decoded["rv"]), str(decoded["start"])
     except (binascii.Error, ValueError, KeyError, TypeError):
         raise errors.bad_request(
-            "continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)"
+            "continue key is not valid: incorrect encoded start resourceVersion "
+            "(version meta.k8s.io/v1)"
         ) from None

@@ -82,7 +82,7 @@ def format_micro_time(moment: datetime) -> str:
 
 
 def parse_micro_time(value: str) -> datetime:
-    """Parse as Go's ``time.Parse(RFC3339Micro, ...)`` does, or raise ValueError with its message."""
+    """Parse as Go's ``time.Parse(RFC3339Micro, ...)``, or raise ValueError with its message."""
     match = _MICRO_TIME.fullmatch(value)
     if match is None:
         raise ValueError(f'parsing time "{value}" as "{MICRO_TIME_LAYOUT}": cannot parse "{value}"')
@@ -290,7 +290,8 @@ def decode(resource: ResourceType, body: Any) -> Object:
     kind = body.get("kind")
     if kind is not None and kind != resource.kind:
         raise errors.bad_request(
-            f"the kind in the body ({kind}) does not match the kind of the resource ({resource.kind})"
+            f"the kind in the body ({kind}) does not match the kind of the resource "
+            f"({resource.kind})"
         )
     api_version = body.get("apiVersion")
     if api_version is not None and api_version != resource.api_version:
@@ -368,7 +369,8 @@ def _validate_qualified_key(key: str, field: str) -> list[FieldError]:
                 key,
                 "name part must consist of alphanumeric characters, '-', '_' or '.', and must "
                 "start and end with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or "
-                "'123-abc', regex used for validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')",
+                "'123-abc', regex used for validation is "
+                "'([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')",
             )
         )
     return problems
