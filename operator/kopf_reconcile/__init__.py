@@ -12,8 +12,11 @@ Conventional import: ``import kopf_reconcile as kr``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from kopf_reconcile.api import PermanentError, Reconciler, Request, Result
 from kopf_reconcile.builder import Builder, new
+from kopf_reconcile.cache import cached
 from kopf_reconcile.config import ConfigError
 from kopf_reconcile.fencing.protocol import FencedRepository, StaleEpochError
 from kopf_reconcile.fencing.writer import FencedWriter, fenced_writer
@@ -29,6 +32,9 @@ from kopf_reconcile.loop import Loop, LoopStats
 from kopf_reconcile.metrics import Metrics, register_metrics
 from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.triggers import ChannelTrigger, TickerTrigger, Trigger
+
+if TYPE_CHECKING:
+    from kopf_reconcile.kopf_shim import reconciler
 
 __all__ = [
     "Builder",
@@ -53,7 +59,18 @@ __all__ = [
     "Tenancy",
     "TickerTrigger",
     "Trigger",
+    "cached",
     "fenced_writer",
     "new",
+    "reconciler",
     "register_metrics",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The kopf shim imports kopf: load it on first use, so importing the kernel stays cheap.
+    if name == "reconciler":
+        from kopf_reconcile.kopf_shim import reconciler
+
+        return reconciler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,63 @@
+"""End-to-end fixtures: the example operator as real processes, a Kubernetes API, PostgreSQL.
+
+``operators`` starts operator processes for a test and stops them all afterwards;
+``devices`` handles Device objects in the test's namespace (the example's CRD is
+installed and discoverable); ``store`` reads what the example wrote to PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest_asyncio
+import yaml
+from operator_e2e import CRDS, DEVICES_CRD, RECONCILER_ID, Devices, Operators, Store
+
+from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from support import eventually
+
+
+@pytest_asyncio.fixture
+async def http(kube: Any) -> AsyncIterator[aiohttp.ClientSession]:
+    async with kube.http_session() as session:
+        yield session
+
+
+@pytest_asyncio.fixture
+async def devices_crd(http: aiohttp.ClientSession) -> None:
+    """The example's CRD, established and discoverable (kept on a shared real cluster)."""
+    crd = yaml.safe_load(DEVICES_CRD.read_text())
+    async with http.post(CRDS, json=crd) as response:
+        assert response.status in (201, 409), await response.text()
+
+    async def discoverable() -> bool:
+        async with http.get("/apis/example.com/v1") as response:
+            if response.status != 200:
+                return False
+            resources = (await response.json()).get("resources", [])
+            return any(r.get("name") == "devices" for r in resources)
+
+    await eventually(discoverable, timeout=30, interval=0.1, message="devices CRD served")
+
+
+@pytest_asyncio.fixture
+async def devices(http: aiohttp.ClientSession, kube_namespace: str, devices_crd: None) -> Devices:
+    return Devices(http, kube_namespace)
+
+
+@pytest_asyncio.fixture
+async def store(embedded_postgres_dsn: str, kube_namespace: str) -> AsyncIterator[Store]:
+    repository = PostgresFencedRepository(embedded_postgres_dsn, scope=RECONCILER_ID)
+    yield Store(repository, kube_namespace)
+    await repository.close()
+
+
+@pytest_asyncio.fixture
+async def operators(kube: Any, kube_namespace: str) -> AsyncIterator[Operators]:
+    manager = Operators(kube.kubeconfig, kube_namespace)
+    try:
+        yield manager
+    finally:
+        await manager.stop_all()
