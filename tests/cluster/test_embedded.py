@@ -95,3 +95,45 @@ async def test_injected_fault_body_is_a_status(embedded_cluster: EmbeddedCluster
     assert status["kind"] == "Status"
     assert status["reason"] == "Conflict"
     assert status["code"] == 409
+
+
+async def test_field_validation_strict_and_warn(embedded_cluster: EmbeddedCluster) -> None:
+    # Beyond v1.20 (which ignores the parameter): kubectl relies on it here, see openapi.py.
+    body = {"metadata": {"name": "a", "bogus": 1}, "spec": {"holderIdentity": "x", "junk": 2}}
+    async with embedded_cluster.http_session() as http:
+        response = await http.post(LEASES, params={"fieldValidation": "Strict"}, json=body)
+        assert response.status == 400
+        message = (await response.json())["message"]
+        assert 'unknown field "metadata.bogus"' in message
+        assert 'unknown field "spec.junk"' in message
+
+        response = await http.post(LEASES, params={"fieldValidation": "Warn"}, json=body)
+        assert response.status == 201
+        assert sorted(response.headers.getall("Warning")) == [
+            '299 - "unknown field \\"metadata.bogus\\""',
+            '299 - "unknown field \\"spec.junk\\""',
+        ]
+        assert (await response.json())["spec"] == {"holderIdentity": "x"}
+
+
+async def test_namespace_goes_once_its_objects_are_finalized(
+    embedded_cluster: EmbeddedCluster,
+) -> None:
+    # A real v1.20 needs kube-controller-manager for this; the embedded cluster does it itself.
+    async with embedded_cluster.http_session() as http:
+        await http.post("/api/v1/namespaces", json={"metadata": {"name": "doomed"}})
+        url = "/apis/coordination.k8s.io/v1/namespaces/doomed/leases"
+        await http.post(url, json={"metadata": {"name": "plain"}})
+        await http.post(
+            url, json={"metadata": {"name": "held", "finalizers": ["example.com/hold"]}}
+        )
+        await http.delete("/api/v1/namespaces/doomed")
+        assert (await http.get(f"{url}/plain")).status == 404
+        held = await (await http.get(f"{url}/held")).json()
+        assert held["metadata"]["deletionTimestamp"]
+        assert (await http.get("/api/v1/namespaces/doomed")).status == 200
+
+        patch = {"metadata": {"finalizers": None}}
+        headers = {"Content-Type": "application/merge-patch+json"}
+        assert (await http.patch(f"{url}/held", json=patch, headers=headers)).status == 200
+        assert (await http.get("/api/v1/namespaces/doomed")).status == 404
