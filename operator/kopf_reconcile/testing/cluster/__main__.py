@@ -14,41 +14,45 @@ import signal
 import sys
 from pathlib import Path
 
-from kopf_reconcile.testing.cluster.embedded import EmbeddedCluster
+from kopf_reconcile.testing.cluster.embedded import (
+    DEFAULT_BOOKMARK_INTERVAL,
+    DEFAULT_HISTORY_SIZE,
+    EmbeddedCluster,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kopf_reconcile.testing.cluster", description=__doc__
     )
+    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any)")
+    parser.add_argument("--kubeconfig", type=Path, help="also write a kubeconfig for it here")
     parser.add_argument(
-        "--port", type=int, default=0, help="port on 127.0.0.1 (default: any free port)"
+        "--history-size",
+        type=int,
+        default=DEFAULT_HISTORY_SIZE,
+        help="changes a watch can resume from (older: 410 Expired)",
     )
     parser.add_argument(
-        "--kubeconfig", type=Path, help="also write a kubeconfig for the cluster here"
-    )
-    parser.add_argument(
-        "--history-size", type=int, default=None, help="changes a watch can resume from"
-    )
-    parser.add_argument(
-        "--bookmark-interval", type=float, default=None, help="seconds between watch BOOKMARKs"
+        "--bookmark-interval",
+        type=float,
+        default=DEFAULT_BOOKMARK_INTERVAL,
+        help="seconds between watch BOOKMARKs",
     )
     return parser
 
 
 async def serve(
-    port: int, kubeconfig: Path | None, history_size: int | None, bookmark_interval: float | None
+    port: int, kubeconfig: Path | None, history_size: int, bookmark_interval: float
 ) -> None:
-    options: dict[str, float] = {}
-    if history_size is not None:
-        options["history_size"] = history_size
-    if bookmark_interval is not None:
-        options["bookmark_interval"] = bookmark_interval
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    async with EmbeddedCluster(port=port, **options) as cluster:  # type: ignore[arg-type]
+    cluster = EmbeddedCluster(
+        port=port, history_size=history_size, bookmark_interval=bookmark_interval
+    )
+    async with cluster:
         if kubeconfig is not None:
             kubeconfig.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(cluster.kubeconfig, kubeconfig)

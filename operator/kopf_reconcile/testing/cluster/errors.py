@@ -214,10 +214,6 @@ def forbidden(target: Target, detail: str) -> ApiError:
     return ApiError(403, message, "Forbidden", _details(target))
 
 
-def internal(message: str) -> ApiError:
-    return ApiError(500, f"Internal error occurred: {message}", "InternalError")
-
-
 def for_code(code: int, message: str) -> ApiError:
     """A generic error for a code (used by fault injection)."""
     return ApiError(code, message, REASONS_BY_CODE.get(code, "Unknown"), {})

@@ -79,12 +79,6 @@ class ResourceType:
     def target(self, name: str) -> Target:
         return Target(group=self.group, plural=self.plural, kind=self.kind, name=name)
 
-    def base_path(self, namespace: str | None) -> str:
-        root = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        if self.namespaced and namespace:
-            return f"{root}/namespaces/{namespace}/{self.plural}"
-        return f"{root}/{self.plural}"
-
     def discovery_entries(self) -> list[dict[str, Any]]:
         """The ``APIResource`` entries of this type in its group-version's resource list."""
         entry: dict[str, Any] = {

@@ -450,6 +450,8 @@ class ApiServer:
         if request.method != "POST":
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST", "DELETE"])
         spec = await request.json()
+        if not isinstance(spec, dict):
+            raise web.HTTPBadRequest(text="a fault is a JSON object")
         try:
             fault = self.faults.add(
                 method=str(spec.get("method", "*")),
@@ -458,7 +460,7 @@ class ApiServer:
                 delay=spec.get("delay"),
                 times=spec.get("times", 1),
             )
-        except (KeyError, ValueError, re.error) as exc:
+        except (KeyError, TypeError, ValueError, re.error) as exc:
             raise web.HTTPBadRequest(text=f"bad fault: {exc}") from None
         return json_response(fault.describe(), 201)
 

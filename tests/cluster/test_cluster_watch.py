@@ -2,7 +2,7 @@
 
 (410 Expired needs a resourceVersion older than what the server retains; a real
 kube-apiserver's watch cache grows too large to provoke that in a test, so it is covered
-in ``test_embedded.py`` with a small history window.)
+in ``test_cluster_embedded.py`` with a small history window.)
 """
 
 from __future__ import annotations
