@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import yaml
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
 
 import kopf_reconcile as kr
 from kopf_reconcile.leader import kubernetes as k8s
@@ -202,6 +204,23 @@ async def test_zero_microsecond_times_are_written_so_the_api_server_accepts_them
     assert lease["spec"]["acquireTime"] == lease["spec"]["renewTime"] == written
     await a.release_lease(token)
     assert (await read_lease(kube, kube_namespace) or {})["spec"]["holderIdentity"] == ""
+
+
+async def test_the_clients_own_datetime_serialisation_would_be_rejected(
+    api: Any, kube_namespace: str
+) -> None:
+    """Why the elector writes Lease bodies itself: kubernetes-asyncio uses isoformat()."""
+    on_the_second = datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.UTC)
+    typed = client.V1Lease(
+        metadata=client.V1ObjectMeta(name="typed"),
+        spec=client.V1LeaseSpec(holder_identity="x", renew_time=on_the_second),
+    )
+    assert api.sanitize_for_serialization(typed)["spec"]["renewTime"] == (
+        "2024-05-06T07:08:09+00:00"
+    )
+    with pytest.raises(ApiException) as rejected:
+        await client.CoordinationV1Api(api).create_namespaced_lease(kube_namespace, typed)
+    assert rejected.value.status == 400
 
 
 # -- contention, handover, epochs -----------------------------------------------------
