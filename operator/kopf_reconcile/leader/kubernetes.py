@@ -154,7 +154,8 @@ class KubernetesLeaseElector:
     in-cluster service account, else from the default kubeconfig
     (``$KUBECONFIG`` or ``~/.kube/config``). ``namespace`` defaults to
     ``POD_NAMESPACE``, then the namespace of that configuration (the kubeconfig
-    context's, or the service account's), then ``default``.
+    context's, or the service account's; with a borrowed ``api``, the default
+    kubeconfig's), then ``default``.
     """
 
     def __init__(
