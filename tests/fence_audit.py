@@ -1,10 +1,14 @@
 """An audit trail of fenced writes, kept by the database itself.
 
-:func:`install` adds a trigger to a fence table that records every applied
-write (insert or update of a fence row) with its epoch and state, in the
+:func:`install` adds two triggers to a fence table. One records every write
+that reaches the database (``BEFORE INSERT``: each fenced write is an
+``INSERT … ON CONFLICT``, so its proposed row passes there whether or not the
+epoch check then lets it through); the other records every write applied
+(``AFTER INSERT OR UPDATE`` of a fence row), with its epoch and state, in the
 order the database applied them. Writes to one entity are serialised by the
-row lock, so per entity the audit order is the order of application; tests
-use it to prove that epochs never decrease and that nothing was applied twice.
+row lock, so per entity the audit order is the order of application. Tests use
+them to prove that a write reached the database and was rejected there, that
+epochs never decrease, and that nothing was applied twice.
 """
 
 from __future__ import annotations
@@ -15,51 +19,60 @@ from typing import Any
 
 import asyncpg
 
-AUDIT_TABLE = "fence_audit"
+Writes = dict[str, list[tuple[int, Any]]]
 
 
 async def install(dsn: str, fence_table: str = "kopf_reconcile_fence") -> None:
-    """Create the audit table and the trigger on ``fence_table`` (which must exist)."""
+    """Create the audit tables and the triggers on ``fence_table`` (which must exist)."""
     connection = await asyncpg.connect(dsn)
     try:
-        await connection.execute(f"""
-            CREATE TABLE {AUDIT_TABLE} (
-                seq       bigserial PRIMARY KEY,
-                scope     text   NOT NULL,
-                entity_id text   NOT NULL,
-                epoch     bigint NOT NULL,
-                state     jsonb
-            );
-            CREATE FUNCTION {AUDIT_TABLE}_record() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO {AUDIT_TABLE} (scope, entity_id, epoch, state)
-                VALUES (NEW.scope, NEW.entity_id, NEW.last_epoch, NEW.state);
-                RETURN NEW;
-            END $$;
-            CREATE TRIGGER {AUDIT_TABLE} AFTER INSERT OR UPDATE ON {fence_table}
-                FOR EACH ROW EXECUTE FUNCTION {AUDIT_TABLE}_record();
-        """)
+        for kind, moment in (("attempted", "BEFORE INSERT"), ("applied", "AFTER INSERT OR UPDATE")):
+            await connection.execute(f"""
+                CREATE TABLE fence_{kind} (
+                    seq       bigserial PRIMARY KEY,
+                    entity_id text   NOT NULL,
+                    epoch     bigint NOT NULL,
+                    state     jsonb
+                );
+                CREATE FUNCTION fence_{kind}_record() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    INSERT INTO fence_{kind} (entity_id, epoch, state)
+                    VALUES (NEW.entity_id, NEW.last_epoch, NEW.state);
+                    RETURN NEW;
+                END $$;
+                CREATE TRIGGER fence_{kind} {moment} ON {fence_table}
+                    FOR EACH ROW EXECUTE FUNCTION fence_{kind}_record();
+            """)
     finally:
         await connection.close()
 
 
-async def applied_writes(dsn: str) -> dict[str, list[tuple[int, Any]]]:
+async def applied_writes(dsn: str) -> Writes:
     """Per entity, every applied write as ``(epoch, state)``, in the order applied."""
+    return await _writes(dsn, "applied")
+
+
+async def attempted_writes(dsn: str) -> Writes:
+    """Per entity, every write that reached the database, applied or not."""
+    return await _writes(dsn, "attempted")
+
+
+def assert_epochs_never_decrease(writes: Writes) -> None:
+    for entity, applied in writes.items():
+        epochs = [epoch for epoch, _ in applied]
+        assert epochs == sorted(epochs), f"{entity}: an older epoch was applied after a newer one"
+
+
+async def _writes(dsn: str, kind: str) -> Writes:
     connection = await asyncpg.connect(dsn)
     try:
         rows = await connection.fetch(
-            f"SELECT entity_id, epoch, state::text FROM {AUDIT_TABLE} ORDER BY seq"
+            f"SELECT entity_id, epoch, state::text FROM fence_{kind} ORDER BY seq"
         )
     finally:
         await connection.close()
-    writes: dict[str, list[tuple[int, Any]]] = defaultdict(list)
+    writes: Writes = defaultdict(list)
     for row in rows:
         state = None if row["state"] is None else json.loads(row["state"])
         writes[row["entity_id"]].append((int(row["epoch"]), state))
     return dict(writes)
-
-
-def assert_epochs_never_decrease(writes: dict[str, list[tuple[int, Any]]]) -> None:
-    for entity, applied in writes.items():
-        epochs = [epoch for epoch, _ in applied]
-        assert epochs == sorted(epochs), f"{entity}: an older epoch was applied after a newer one"

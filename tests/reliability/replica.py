@@ -10,15 +10,21 @@ on the machine shares, so a parent can compare it with its own):
 * ``leader`` / ``follower`` with ``epoch``: a change of leadership as the Loop sees it;
 * ``reconcile`` with ``entity`` and ``epoch``: a reconcile started;
 * ``wrote`` with ``epoch`` and ``n``: the long-running reconcile of ``work`` made a
-  fenced write (one every 50 ms while it runs);
+  fenced write of ``{"n": n, "epoch": epoch}`` (one every 50 ms while it runs);
 * ``refused``: such a write was refused because the lease is no longer live;
 * ``cancelled`` with ``entity``: a reconcile was cancelled, such as the one of ``wait``,
   which only waits (``--no-work`` leaves both ``work`` and ``wait`` out);
-* ``stopped``: SIGTERM stopped the Loop (releasing the lease); the process exits 0.
+* ``stopped``: SIGTERM stopped the Loop (releasing the lease); the process exits 0;
+* ``pausing`` with ``entity``, ``epoch`` and ``mutation``, then ``answered`` with
+  ``accepted``: see SIGUSR1 below.
 
-Fenced writes go to an in-process repository: what is tested is that the replica
-itself checks its lease before acting, so a paused leader that wakes up past its
-lease writes nothing (the database-side fence is tested elsewhere).
+Fenced writes go to an in-process repository by default: what is tested then is
+that the replica itself checks its lease before acting, so a paused leader that
+wakes up past its lease writes nothing. With ``--fence-dsn`` they go to a
+``PostgresFencedRepository``, where the database checks the epoch. SIGUSR1 makes
+the next fenced write pause the whole process (it sends itself SIGSTOP) after the
+writer's local lease check and before the repository call, the worst moment for
+a garbage-collection pause; on SIGCONT the write goes out with the epoch it had.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import time
 from typing import Any
 
 import kopf_reconcile as kr
+from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.testing.memory import MemoryFencedRepository
@@ -64,6 +71,30 @@ def make_elector(args: argparse.Namespace) -> KubernetesLeaseElector | PostgresL
     return PostgresLeaseElector(args.dsn, ttl=ttl)
 
 
+class PausingRepository:
+    """The replica's repository; once armed, its next write stops the process first."""
+
+    def __init__(self, inner: Any, report: Reporter) -> None:
+        self.inner = inner
+        self.armed = False
+        self._report = report
+
+    def __getattr__(self, name: str) -> Any:  # bind_loop, highest_epoch: the Loop uses them
+        return getattr(self.inner, name)
+
+    async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
+        if not self.armed:
+            return bool(await self.inner.apply_fenced(entity_id, epoch, mutation))
+        self.armed = False
+        self._report("pausing", entity=entity_id, epoch=epoch, mutation=mutation)
+        # Frozen here, event loop included, until SIGCONT; nothing can run before the
+        # write resumes, just as nothing runs during a long garbage-collection pause.
+        os.kill(os.getpid(), signal.SIGSTOP)
+        accepted = bool(await self.inner.apply_fenced(entity_id, epoch, mutation))
+        self._report("answered", entity=entity_id, epoch=epoch, accepted=accepted)
+        return accepted
+
+
 def make_reconcile(report: Reporter, work: bool) -> Any:
     async def reconcile(req: kr.Request) -> None:
         writer = kr.fenced_writer()
@@ -77,7 +108,7 @@ def make_reconcile(report: Reporter, work: bool) -> Any:
                 await asyncio.Event().wait()
             for n in range(1, sys.maxsize):
                 try:
-                    await writer.write(WORK, {"n": n})
+                    await writer.write(WORK, {"n": n, "epoch": epoch})
                 except kr.StaleEpochError as exc:
                     report("refused", entity=req.entity_id, epoch=epoch, reason=str(exc))
                     raise
@@ -107,11 +138,17 @@ async def run(args: argparse.Namespace) -> None:
     if args.work:
         requests.put_nowait(kr.Request(WORK))
         requests.put_nowait(kr.Request(WAIT))
+    fenced = (
+        MemoryFencedRepository()
+        if args.fence_dsn is None
+        else PostgresFencedRepository(args.fence_dsn)
+    )
+    repository = PausingRepository(fenced, report)
     loop = (
         kr.Builder(make_reconcile(report, args.work), kr.Tenancy.SINGLE_TENANT)
         .with_trigger(kr.ChannelTrigger(requests))
         .with_leader(elector)
-        .with_fenced_repo(MemoryFencedRepository())
+        .with_fenced_repo(repository)
         .with_reconciler_id(args.reconciler_id)
         .with_renew_interval(args.renew)
         .with_concurrency(3)  # the resync-all, work and wait
@@ -119,6 +156,9 @@ async def run(args: argparse.Namespace) -> None:
     )
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR1, lambda: setattr(repository, "armed", True)
+    )
     await loop.start()
     status = asyncio.create_task(report_leadership(loop, report))
     report("ready", elector=args.elector)
@@ -131,6 +171,8 @@ async def run(args: argparse.Namespace) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await status
         await elector.close()
+        if isinstance(fenced, PostgresFencedRepository):
+            await fenced.close()
     report("stopped")
 
 
@@ -140,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kubeconfig", help="for --elector kubernetes")
     parser.add_argument("--namespace", default="default", help="for --elector kubernetes")
     parser.add_argument("--dsn", help="for --elector postgres")
+    parser.add_argument("--fence-dsn", help="fenced writes to PostgreSQL (default: in memory)")
     parser.add_argument("--reconciler-id", default="devices")
     parser.add_argument("--ttl", type=float, default=2.0, help="lease TTL in seconds")
     parser.add_argument("--renew", type=float, default=0.2, help="renew interval in seconds")
