@@ -48,16 +48,21 @@ def embedded_postgres_server() -> Iterator[EmbeddedPostgres]:
     """One real PostgreSQL server for the whole session; never stop it in a test.
 
     A plain (not async) fixture: the server is a separate process, so it is
-    started and removed outside any test's event loop and serves every loop.
+    started and removed on a private event loop (never made the current one)
+    and serves the event loops of every test.
     """
     from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
     server = EmbeddedPostgres()
+    control = asyncio.new_event_loop()
     try:
-        asyncio.run(server.start())
+        control.run_until_complete(server.start())
         yield server
     finally:
-        asyncio.run(server.close())
+        try:
+            control.run_until_complete(server.close())
+        finally:
+            control.close()
 
 
 @pytest_asyncio.fixture
