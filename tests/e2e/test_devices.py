@@ -3,8 +3,19 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
-from operator_e2e import RECONCILER_ID, Devices, Operators, Store, converged, kopf_traces
+from operator_e2e import (
+    RECONCILER_ID,
+    Devices,
+    Operator,
+    Operators,
+    Store,
+    converged,
+    kopf_traces,
+)
 
 from support import eventually
 
@@ -54,3 +65,78 @@ async def test_one_replica_reconciles_creates_updates_deletes_and_bad_specs(
 
 async def _is_tombstone(store: Store, name: str) -> bool:
     return await store.state(name) == {"deleted": True}
+
+
+@pytest.mark.parametrize("kube", ["embedded"], indirect=True)
+async def test_three_replicas_one_leader_and_failover_after_sigkill(
+    operators: Operators, devices: Devices, store: Store, embedded_postgres_dsn: str
+) -> None:
+    env = {
+        "KOPF_RECONCILE_DATABASE_URL": embedded_postgres_dsn,
+        "KOPF_RECONCILE_LEADER": "kubernetes",
+        "POD_NAMESPACE": devices.namespace,
+        "KOPF_RECONCILE_LEASE_TTL": "2",
+        "KOPF_RECONCILE_RENEW_INTERVAL": "0.5",
+    }
+    replicas = [await operators.start(env=env, name=f"replica-{i}") for i in range(3)]
+    first = [f"dev-{i}" for i in range(8)]
+    for name in first:
+        await devices.create(name, "on")
+    await eventually(lambda: converged(devices, store, first), timeout=30)
+
+    leaders = [r for r in replicas if await r.is_leader()]
+    assert len(leaders) == 1, [r.name for r in leaders]
+    leader = leaders[0]
+    followers = [r for r in replicas if r is not leader]
+    for follower in followers:  # warm standbys: watching, caching, not reconciling
+        await eventually(lambda f=follower: _caches(f, len(first)), timeout=10)
+        assert (await _report(follower))["leader"] is False
+        assert await follower.reconciles() == 0
+    epoch_before = (await devices.get("dev-0") or {})["status"]["epoch"]
+
+    leader.kill()
+    await leader.process.wait()
+    more = [f"dev-{i}" for i in range(8, 12)]
+    for name in more:
+        await devices.create(name, "standby")
+    for name in first[:4]:
+        await devices.set(name, "off")
+    await eventually(lambda: converged(devices, store, first + more), timeout=30)
+
+    new_leaders = [f for f in followers if await f.is_leader()]
+    assert len(new_leaders) == 1
+    idle = next(f for f in followers if f is not new_leaders[0])
+    assert await idle.reconciles() == 0
+    device = await devices.get("dev-0")
+    assert device is not None and device["status"]["epoch"] > epoch_before
+    assert all(kopf_traces(d) == [] for d in await devices.all())
+
+
+@pytest.mark.parametrize("kube", ["embedded"], indirect=True)
+async def test_plain_kopf_run_is_single_process_mode(
+    operators: Operators, devices: Devices
+) -> None:
+    operator = await operators.start(command="kopf")
+    await devices.create("lamp", "on")
+    await eventually(lambda: converged(devices, None, ["lamp"]), timeout=30)
+    lamp = await devices.get("lamp")
+    assert lamp is not None and lamp["status"]["epoch"] == 0  # no lease: epoch 0, no fencing
+    await devices.delete("lamp")
+    await operator.printed("single-process (always leader, epoch 0)")
+    assert await operator.stop() == 0
+    assert not operator.lines("Traceback"), operator.text
+    assert not operator.lines("[ERROR"), operator.text
+    # kopf's per-event INFO line for the shim's handler is quieted.
+    assert not operator.lines("Handler 'kopf-reconcile/"), operator.text
+    assert kopf_traces(lamp) == []
+
+
+async def _caches(operator: Operator, objects: int) -> bool:
+    return bool((await _report(operator))["cached_objects"] == objects)
+
+
+async def _report(operator: Operator) -> dict[str, Any]:
+    status, text = await operator.get("/healthz")
+    assert status == 200, text
+    report: dict[str, Any] = json.loads(text)["reconcilers"][RECONCILER_ID]
+    return report
