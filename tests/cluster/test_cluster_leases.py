@@ -237,3 +237,34 @@ async def test_list_across_namespaces(
     assert document["apiVersion"] == "coordination.k8s.io/v1"
     assert int(document["metadata"]["resourceVersion"]) > 0
     assert name in {item["metadata"]["name"] for item in document["items"]}
+
+
+async def test_uid_in_a_put_is_a_precondition(
+    http: aiohttp.ClientSession, unique: Callable[[str], str]
+) -> None:
+    name = unique("lease")
+    created = await (await http.post(LEASES, json=lease_body(name, holderIdentity="a"))).json()
+    assert (await http.delete(f"{LEASES}/{name}")).status == 200
+    # A renewal meant for the deleted Lease must not recreate it.
+    response = await http.put(f"{LEASES}/{name}", json=created)
+    assert response.status == 409
+    status = await response.json()
+    assert status["reason"] == "Conflict"
+    assert "Precondition failed: UID in precondition" in status["message"]
+    assert (await http.get(f"{LEASES}/{name}")).status == 404
+
+    recreated = await (await http.post(LEASES, json=lease_body(name))).json()
+    stale = {**recreated, "metadata": {**recreated["metadata"], "uid": created["metadata"]["uid"]}}
+    assert (await http.put(f"{LEASES}/{name}", json=stale)).status == 409
+
+
+async def test_uid_cannot_be_patched(
+    http: aiohttp.ClientSession, unique: Callable[[str], str]
+) -> None:
+    name = unique("lease")
+    await http.post(LEASES, json=lease_body(name))
+    headers = {"Content-Type": "application/merge-patch+json"}
+    patch = {"metadata": {"uid": "00000000-0000-0000-0000-000000000000"}}
+    response = await http.patch(f"{LEASES}/{name}", json=patch, headers=headers)
+    assert response.status == 422
+    assert (await response.json())["details"]["causes"][0]["field"] == "metadata.uid"

@@ -221,7 +221,18 @@ class ResourceAPI:
     ) -> tuple[Object, bool]:
         """PUT: the new state, and whether it was created (Leases and Events allow that)."""
         options = options or WriteOptions()
-        exists = self.store.get(resource.storage_key, namespace, name) is not None
+        current = self.store.get(resource.storage_key, namespace, name)
+        exists = current is not None
+        # A uid in the body is a precondition (it must name the stored object), as in
+        # kube-apiserver, so a PUT meant for a deleted object cannot recreate it.
+        sent_uid = (body.get("metadata") or {}).get("uid") if isinstance(body, dict) else None
+        stored_uid = current["metadata"]["uid"] if current is not None else ""
+        if sent_uid and sent_uid != stored_uid:
+            raise errors.conflict(
+                resource.target(name),
+                f"Precondition failed: UID in precondition: {sent_uid}, "
+                f"UID in object meta: {stored_uid}",
+            )
         if not exists and resource.create_on_update and not subresource:
             if isinstance(body, dict) and (body.get("metadata") or {}).get("name", name) != name:
                 raise errors.bad_request(_name_mismatch(body["metadata"]["name"], name))
@@ -289,6 +300,9 @@ class ResourceAPI:
         requested_version = meta.get("resourceVersion")
         if requested_version and requested_version != current["metadata"]["resourceVersion"]:
             raise errors.stale_resource_version(target)
+        if meta.get("uid", current["metadata"]["uid"]) != current["metadata"]["uid"]:
+            immutable = errors.FieldError.invalid("metadata.uid", meta["uid"], "field is immutable")
+            raise errors.invalid(target, [immutable])
         obj = self._prepare_update(resource, obj, current, subresource)
         problems = validation.validate_metadata(resource, obj) + self._validate(resource, obj)
         if problems:
