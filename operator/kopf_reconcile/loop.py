@@ -445,6 +445,7 @@ class Loop:
                 m.work_duration.observe(elapsed)
 
     def _succeeded(self, entity: str, outcome: object) -> None:
+        requeue_after: float | None
         if outcome is None:
             requeue_after = 0.0
         elif isinstance(outcome, Result):
@@ -457,7 +458,7 @@ class Loop:
             )
             return
         cfg = self._config
-        if requeue_after > 0:
+        if requeue_after:
             self._m.results["requeue_after"].inc()
         else:
             self._m.results["success"].inc()
