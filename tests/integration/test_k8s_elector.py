@@ -41,10 +41,6 @@ from support import eventually
 RID = "devices"
 MICRO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 KUBECTL = Path(sys.executable).with_name("kubectl")
-UID_PRECONDITION_GAP = (
-    "the embedded cluster creates a missing Lease on PUT even when the body names the "
-    "uid of the deleted one; kube-apiserver answers 409 (uid precondition)"
-)
 
 ElectorFactory = Callable[..., KubernetesLeaseElector]
 
@@ -397,10 +393,9 @@ async def test_the_epoch_never_goes_back_when_the_lease_is_deleted_and_recreated
 
 
 async def test_renewing_a_deleted_lease_loses_it(
-    request: pytest.FixtureRequest, kube: Any, kube_namespace: str, elector: ElectorFactory
+    kube: Any, kube_namespace: str, elector: ElectorFactory
 ) -> None:
-    if request.node.callspec.params["kube"] == "embedded":
-        request.applymarker(pytest.mark.xfail(reason=UID_PRECONDITION_GAP, strict=True))
+    # The PUT names the deleted Lease's uid: a precondition, so it is not recreated.
     a = elector()
     token = await a.acquire_lease(RID)
     await delete_lease(kube, kube_namespace)
