@@ -1,0 +1,301 @@
+"""End to end on the embedded cluster: the kopf shim vs plain kopf handlers, 1,000 Devices.
+
+Two operators do the same work for every Device: validate ``spec.desired``, write it to
+PostgreSQL (the same statement through the same repository), report it in
+``status.observed``, and write a tombstone when the Device is deleted.
+
+* shim: ``kopf-reconcile run operator/examples/devices.py`` — ``@kr.reconciler`` with its
+  stateless ``on.event`` handler, a Kubernetes Lease (renewed every 2 s) and fenced writes;
+* plain: ``kopf run benchmarks/plain_kopf_devices.py`` — ``@kopf.on.create`` /
+  ``@kopf.on.update`` (and ``@kopf.on.delete`` for the deletions, hence kopf's finalizer),
+  the status written by kopf's own patch.
+
+The embedded cluster runs in a process of its own (this file with ``--serve-cluster``),
+counting every API request an operator makes; each operator runs as a process against it
+and one embedded PostgreSQL. After a warm-up Device proves the operator is up (and
+leading), 1,000 Devices are created (32 requests at a time) and the clock runs until every
+one's state is in PostgreSQL, then until every status reports it. The operators take turns
+for ``--rounds`` rounds, each in a fresh namespace and database; the medians are printed
+with the ratio and the API requests (all, and writes) per Device. Target: the shim >= 3x
+faster.
+
+    python benchmarks/kopf_e2e.py [--devices N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+import yaml
+from aiohttp import web
+
+from kopf_reconcile.testing.cluster import EmbeddedCluster
+from kopf_reconcile.testing.postgres import EmbeddedPostgres
+
+ROOT = Path(__file__).parents[1]
+BIN = Path(sys.executable).parent
+DRIVER = "kopf-reconcile-benchmark"  # the User-Agent of the benchmark's own requests
+COUNTS = "/_benchmark/requests"  # the cluster process's request counts (GET, DELETE resets)
+SCOPE = "reconcile-device"  # the fence scope both operators write to
+WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+CREATE_CONCURRENCY = 32
+
+
+@dataclasses.dataclass
+class Contestant:
+    name: str
+    label: str
+    argv: list[str]
+
+
+@dataclasses.dataclass
+class Outcome:
+    created: float  # seconds the creation requests took
+    stored: float  # seconds until every state was in PostgreSQL
+    reported: float  # seconds until every status reported it
+    requests: dict[str, int]  # by verb (WATCH for watch requests)
+
+    @property
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+    @property
+    def writes(self) -> int:
+        return sum(n for verb, n in self.requests.items() if verb in WRITES)
+
+
+# -- the cluster process --------------------------------------------------------------------
+
+
+async def serve_cluster() -> None:
+    """An embedded cluster that counts requests not made by the benchmark itself."""
+    verbs: collections.Counter[str] = collections.Counter()
+
+    @web.middleware
+    async def count(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if request.headers.get("User-Agent") != DRIVER:
+            verbs["WATCH" if request.query.get("watch") in ("true", "1") else request.method] += 1
+        return await handler(request)
+
+    async def counts(request: web.Request) -> web.Response:
+        snapshot = dict(verbs)
+        if request.method == "DELETE":
+            verbs.clear()
+        return web.json_response(snapshot)
+
+    cluster = EmbeddedCluster()
+    cluster.server.app.middlewares.append(count)  # the app is frozen at start: add them now
+    cluster.server.app.router.add_route("*", COUNTS, counts)
+    stopping = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
+    async with cluster:
+        print(json.dumps({"url": cluster.url, "kubeconfig": cluster.kubeconfig}), flush=True)
+        await stopping.wait()
+
+
+@asynccontextmanager
+async def cluster_process() -> AsyncIterator[dict[str, str]]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--serve-cluster", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        yield json.loads(await asyncio.wait_for(process.stdout.readline(), 60))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await process.wait()
+
+
+# -- one round of one contestant ----------------------------------------------------------
+
+
+async def run(
+    contestant: Contestant, devices: int, cluster: dict[str, str], dsn: str, namespace: str
+) -> Outcome:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KOPF_RECONCILE_") and k not in ("KUBERNETES_SERVICE_HOST", "POD_NAME")
+    }
+    env |= {
+        "KUBECONFIG": cluster["kubeconfig"],
+        "KOPF_RECONCILE_DATABASE_URL": dsn,
+        "KOPF_RECONCILE_LEADER": "kubernetes",
+        "POD_NAMESPACE": namespace,
+    }
+    headers = {"User-Agent": DRIVER}
+    async with (
+        aiohttp.ClientSession(base_url=cluster["url"], headers=headers) as http,
+        asyncpg.create_pool(dsn, min_size=1, max_size=2) as pool,
+    ):
+        async with http.post("/api/v1/namespaces", json={"metadata": {"name": namespace}}) as r:
+            assert r.status == 201, await r.text()
+        url = f"/apis/example.com/v1/namespaces/{namespace}/devices"
+        process = await asyncio.create_subprocess_exec(
+            *contestant.argv,
+            f"--namespace={namespace}",
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            await create(http, url, "warm-up")
+            await until(lambda: stored(pool, namespace, 1), timeout=60)
+            await http.delete(COUNTS)
+            started = time.perf_counter()
+            semaphore = asyncio.Semaphore(CREATE_CONCURRENCY)
+
+            async def one(i: int) -> None:
+                async with semaphore:
+                    await create(http, url, f"device-{i:05d}")
+
+            await asyncio.gather(*(one(i) for i in range(devices)))
+            created = time.perf_counter() - started
+            await until(lambda: stored(pool, namespace, devices + 1), timeout=600)
+            stored_after = time.perf_counter() - started
+            await until(lambda: reported(http, url, devices + 1), timeout=600, interval=0.25)
+            reported_after = time.perf_counter() - started
+            async with http.get(COUNTS) as response:
+                requests = await response.json()
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 30)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+    return Outcome(created, stored_after, reported_after, requests)
+
+
+async def create(http: aiohttp.ClientSession, url: str, name: str) -> None:
+    body = {
+        "apiVersion": "example.com/v1",
+        "kind": "Device",
+        "metadata": {"name": name},
+        "spec": {"desired": "on"},
+    }
+    async with http.post(url, json=body) as response:
+        assert response.status == 201, await response.text()
+
+
+async def stored(pool: asyncpg.Pool, namespace: str, expected: int) -> bool:
+    count = await pool.fetchval(
+        "SELECT count(*) FROM kopf_reconcile_fence WHERE scope = $1 AND entity_id LIKE $2",
+        SCOPE,
+        f"{namespace}/%",
+    )
+    return bool(count >= expected)
+
+
+async def reported(http: aiohttp.ClientSession, url: str, expected: int) -> bool:
+    async with http.get(url) as response:
+        items = (await response.json())["items"]
+    observed = [i for i in items if (i.get("status") or {}).get("observed") == i["spec"]["desired"]]
+    return len(observed) >= expected
+
+
+async def until(
+    condition: Callable[[], Awaitable[bool]], timeout: float, interval: float = 0.05
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if await condition():
+                return
+        except asyncpg.UndefinedTableError:
+            pass  # the operator has not created its table yet
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not done within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+# -- the comparison -------------------------------------------------------------------------
+
+
+async def main(devices: int, rounds: int) -> None:
+    contestants = [
+        Contestant(
+            "plain",
+            "plain kopf on.create/update",
+            [str(BIN / "kopf"), "run", str(ROOT / "benchmarks" / "plain_kopf_devices.py")],
+        ),
+        Contestant(
+            "shim",
+            "kopf-reconcile shim",
+            [str(BIN / "kopf-reconcile"), "run", str(ROOT / "operator" / "examples" / "devices.py"),
+             "--metrics-port=0"],
+        ),
+    ]  # fmt: skip
+    outcomes: dict[str, list[Outcome]] = {c.name: [] for c in contestants}
+    async with cluster_process() as cluster, EmbeddedPostgres() as postgres:
+        crd = yaml.safe_load((ROOT / "crds" / "devices.yaml").read_text())
+        async with aiohttp.ClientSession(base_url=cluster["url"]) as http:
+            crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+            async with http.post(crds, json=crd) as response:
+                assert response.status == 201, await response.text()
+        for round_ in range(rounds):  # alternate who goes first
+            for contestant in contestants if round_ % 2 == 0 else contestants[::-1]:
+                dsn = await postgres.create_database()
+                namespace = f"bench-{contestant.name}-{round_}"
+                outcome = await run(contestant, devices, cluster, dsn, namespace)
+                outcomes[contestant.name].append(outcome)
+    report(devices, rounds, contestants, outcomes)
+
+
+def report(
+    devices: int, rounds: int, contestants: list[Contestant], outcomes: dict[str, list[Outcome]]
+) -> None:
+    def median(name: str, value: Callable[[Outcome], float]) -> float:
+        return statistics.median(value(o) for o in outcomes[name])
+
+    created = statistics.median(o.created for runs in outcomes.values() for o in runs)
+    print(
+        f"{devices} Devices created on the embedded cluster ({CREATE_CONCURRENCY} at a time, "
+        f"{created:.2f}s); time until all are reconciled, median of {rounds} rounds"
+    )
+    print(
+        f"{'':<28} {'state stored':>12} {'status':>8} {'requests/Device':>16} {'writes/Device':>14}"
+    )
+    for c in contestants:
+        print(
+            f"{c.label:<28} {median(c.name, lambda o: o.stored):>11.2f}s "
+            f"{median(c.name, lambda o: o.reported):>7.2f}s "
+            f"{median(c.name, lambda o: o.total) / devices:>16.2f} "
+            f"{median(c.name, lambda o: o.writes) / devices:>14.2f}"
+        )
+    for c in contestants:
+        runs = ", ".join(f"{o.stored:.2f}s" for o in outcomes[c.name])
+        print(
+            f"  {c.name}: state stored per round {runs}; requests {outcomes[c.name][-1].requests}"
+        )
+    stored = median("plain", lambda o: o.stored) / median("shim", lambda o: o.stored)
+    status = median("plain", lambda o: o.reported) / median("shim", lambda o: o.reported)
+    print(f"shim speed-up: {stored:.2f}x until state stored (target >= 3x), {status:.2f}x status")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--serve-cluster", action="store_true", help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.serve_cluster:
+        asyncio.run(serve_cluster())
+    else:
+        asyncio.run(main(arguments.devices, arguments.rounds))
