@@ -149,6 +149,7 @@ class Loop:
         self._renew_deadline = DEFAULT_RENEW_DEADLINE
         self._recheck = asyncio.Event()
         self._step_down_reason: str | None = None
+        self._acquiring = False
         # Tasks and waiters.
         self._workers: set[asyncio.Task[None]] = set()
         self._stragglers: set[asyncio.Task[None]] = set()
@@ -262,6 +263,11 @@ class Loop:
                 )
                 await self._cancel(pending)
         if self._control_task is not None:
+            if self._acquiring:
+                # Cancelling an acquire in flight would lose a lease it may just have
+                # taken (held for a whole TTL by a stopped process): let it finish;
+                # _lead hands back what it acquired while stopping.
+                await asyncio.wait({self._control_task}, timeout=self._renew_deadline)
             self._control_task.cancel()
             await asyncio.gather(self._control_task, return_exceptions=True)
         await self._release()
@@ -571,6 +577,7 @@ class Loop:
         rng = self._config.rng
         while not self._stopping:
             sent = self._loop.time()
+            self._acquiring = True
             try:
                 token = await elector.acquire_lease(self._reconciler_id)
             except LeaseContended as exc:
@@ -585,6 +592,7 @@ class Loop:
                     extra={"controller": self._name},
                 )
             else:
+                self._acquiring = False
                 if self._stopping:  # acquired while stop() was draining: hand it back
                     self._token = token
                     await self._release()
@@ -592,6 +600,7 @@ class Loop:
                 self._became_leader(token, sent)
                 await self._hold(elector, token, sent)
                 continue
+            self._acquiring = False
             await asyncio.sleep(interval * rng.uniform(1.0, ACQUIRE_RETRY_JITTER))
 
     def _became_leader(self, token: LeaseToken, sent: float) -> None:

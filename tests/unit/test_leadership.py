@@ -196,3 +196,27 @@ async def test_single_process_mode_is_always_leader_with_epoch_zero() -> None:
     )
     async with loop:
         assert loop.stats().is_leader and loop.stats().epoch == 0
+
+
+class SlowAcquire(MemoryLeaseElector):
+    """Takes the lease at once but answers late (a slow API server)."""
+
+    async def acquire_lease(self, reconciler_id: str) -> kr.LeaseToken:
+        token = await super().acquire_lease(reconciler_id)
+        await asyncio.sleep(0.3)
+        return token
+
+
+async def test_stop_during_an_acquire_leaves_no_lease_behind() -> None:
+    store = MemoryLeaseStore()
+    elector = SlowAcquire(store, kr.LeaseTTL(60))
+
+    async def reconcile(req: kr.Request) -> None:
+        return None
+
+    loop = leader_loop(reconcile, elector)
+    await loop.start()
+    await eventually(lambda: store.holder(RID) == elector.holder_id)
+    await loop.stop()
+    assert store.holder(RID) is None  # handed back, not held for the 60 s TTL
+    assert not loop.stats().is_leader
