@@ -173,6 +173,18 @@ class Operators:
             await operator.stop()
         return operator.process.returncode or 0, operator.text
 
+    async def command(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+        """Run ``kopf-reconcile <args>`` to completion: its exit status and output."""
+        process = await asyncio.create_subprocess_exec(
+            str(BIN / "kopf-reconcile"),
+            *args,
+            env=self.environment(env or {}),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await asyncio.wait_for(process.communicate(), 60)
+        return process.returncode or 0, output.decode()
+
     async def stop_all(self) -> None:
         await asyncio.gather(*(o.stop() for o in self.started))
 

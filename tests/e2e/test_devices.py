@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
+import aiohttp
 import pytest
 from operator_e2e import (
     RECONCILER_ID,
@@ -58,6 +60,23 @@ async def test_one_replica_reconciles_creates_updates_deletes_and_bad_specs(
     status, body = await operator.get("/readyz")
     assert status == 200, body
     assert await operator.is_leader()
+
+    # The CLI: migrate is idempotent next to a running operator; leases shows its Lease.
+    status, output = await operators.command("migrate", f"--database-url={embedded_postgres_dsn}")
+    assert status == 0, output
+    assert "kopf_reconcile_fence" in output and "kopf_reconcile_lease" in output
+    status, output = await operators.command(
+        "leases",
+        f"--kubeconfig={operators.kubeconfig}",
+        f"--namespace={devices.namespace}",
+        f"--database-url={embedded_postgres_dsn}",
+    )
+    assert status == 0, output
+    kubernetes, postgres = output.split("PostgreSQL leases")
+    row = next(line.split() for line in kubernetes.splitlines() if RECONCILER_ID in line)
+    assert row[:2] == [devices.namespace, RECONCILER_ID]
+    assert row[3] == str(lamp["status"]["epoch"])  # the epoch that wrote the status
+    assert "(none)" in postgres  # the table exists (migrate) but Kubernetes Leases are in use
     assert await operator.stop() == 0
     assert not operator.lines("Traceback"), operator.text
     assert not operator.lines(RECONCILER_ID, "failed"), operator.text
@@ -68,12 +87,13 @@ async def _is_tombstone(store: Store, name: str) -> bool:
 
 
 @pytest.mark.parametrize("kube", ["embedded"], indirect=True)
+@pytest.mark.parametrize("elector", ["kubernetes", "postgres"])
 async def test_three_replicas_one_leader_and_failover_after_sigkill(
-    operators: Operators, devices: Devices, store: Store, embedded_postgres_dsn: str
+    operators: Operators, devices: Devices, store: Store, embedded_postgres_dsn: str, elector: str
 ) -> None:
     env = {
         "KOPF_RECONCILE_DATABASE_URL": embedded_postgres_dsn,
-        "KOPF_RECONCILE_LEADER": "kubernetes",
+        "KOPF_RECONCILE_LEADER": elector,
         "POD_NAMESPACE": devices.namespace,
         "KOPF_RECONCILE_LEASE_TTL": "2",
         "KOPF_RECONCILE_RENEW_INTERVAL": "0.5",
@@ -111,16 +131,38 @@ async def test_three_replicas_one_leader_and_failover_after_sigkill(
     assert device is not None and device["status"]["epoch"] > epoch_before
     assert all(kopf_traces(d) == [] for d in await devices.all())
 
+    # The new leader's lease, as `kopf-reconcile leases` shows it, carries that epoch.
+    status, output = await operators.command(
+        "leases",
+        f"--kubeconfig={operators.kubeconfig}",
+        f"--namespace={devices.namespace}",
+        f"--database-url={embedded_postgres_dsn}",
+    )
+    assert status == 0, output
+    section = output.split("PostgreSQL leases")[elector == "postgres"]
+    rows = [line.split() for line in section.splitlines() if RECONCILER_ID in line]
+    assert len(rows) == 1, output
+    assert rows[0][3] == str(device["status"]["epoch"]), output
+
 
 @pytest.mark.parametrize("kube", ["embedded"], indirect=True)
 async def test_plain_kopf_run_is_single_process_mode(
     operators: Operators, devices: Devices
 ) -> None:
-    operator = await operators.start(command="kopf")
+    liveness = f"http://127.0.0.1:{free_port()}/healthz"
+    operator = await operators.start(f"--liveness={liveness}", command="kopf")
     await devices.create("lamp", "on")
     await eventually(lambda: converged(devices, None, ["lamp"]), timeout=30)
     lamp = await devices.get("lamp")
     assert lamp is not None and lamp["status"]["epoch"] == 0  # no lease: epoch 0, no fencing
+
+    # The shim's probe in kopf's own liveness endpoint.
+    async with aiohttp.ClientSession() as http, http.get(liveness) as response:
+        assert response.status == 200
+        probe = (await response.json())[f"kopf-reconcile/{RECONCILER_ID}"]
+    assert probe["leader"] is True
+    assert probe["epoch"] == 0
+    assert probe["cached_objects"] == 1
     await devices.delete("lamp")
     await operator.printed("single-process (always leader, epoch 0)")
     assert await operator.stop() == 0
@@ -129,6 +171,13 @@ async def test_plain_kopf_run_is_single_process_mode(
     # kopf's per-event INFO line for the shim's handler is quieted.
     assert not operator.lines("Handler 'kopf-reconcile/"), operator.text
     assert kopf_traces(lamp) == []
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 async def _caches(operator: Operator, objects: int) -> bool:
