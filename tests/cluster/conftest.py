@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from widget_kind import CRDS, REAL_TIER_CRASHES, Widgets, established, widget_crd
+from widget_kind import CRDS, Widgets, established, widget_crd
 
 
 @pytest.fixture
@@ -42,16 +42,9 @@ async def api_client(kube: Any) -> AsyncIterator[Any]:
         await client.close()
 
 
-@pytest.fixture
-def custom_resources(request: pytest.FixtureRequest) -> None:
-    """Skip where the backend cannot serve custom resources (see ``REAL_TIER_CRASHES``)."""
-    if request.node.callspec.params.get("kube") == "real":
-        pytest.skip(REAL_TIER_CRASHES)
-
-
 @pytest_asyncio.fixture
 async def widgets(
-    custom_resources: None, http: aiohttp.ClientSession, unique: Callable[[str], str]
+    http: aiohttp.ClientSession, unique: Callable[[str], str]
 ) -> AsyncIterator[Widgets]:
     """A fresh CRD (kind Widget, in a group of its own), established and discoverable."""
     group = f"{unique('g')}.example.com"

@@ -108,7 +108,6 @@ async def test_apply_replace_delete_lease(
     assert (await http.get(url)).status == 404
 
 
-@pytest.mark.usefixtures("custom_resources")
 async def test_apply_a_crd_and_its_object(
     kube: Any, http: aiohttp.ClientSession, kube_namespace: str, tmp_path: Path
 ) -> None:

@@ -11,11 +11,6 @@ from support import eventually
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
-REAL_TIER_CRASHES = (
-    "the real tier's kube-apiserver (v1.20.2 built with Go 1.19) crashes encoding any custom "
-    "resource: its vendored json-iterator/reflect2 predates Go 1.18 map internals"
-)
-
 
 def widget_crd(group: str) -> dict[str, Any]:
     schema = {
