@@ -121,14 +121,10 @@ def _run(args: argparse.Namespace) -> int:
     logger.info("kopf-reconcile settings: %s", config.describe())
     _load_handlers(args.paths, args.modules)
     try:
-        asyncio.run(_serve(args, config))
-    except OSError as exc:  # the endpoints' port is taken, most likely
-        logger.error("kopf-reconcile cannot serve its endpoints: %s", exc)
-        return EXIT_FAILURE
+        return asyncio.run(_serve(args, config))
     except Exception:
         logger.exception("the operator failed")
         return EXIT_FAILURE
-    return 0
 
 
 def _load_handlers(paths: Sequence[str], modules: Sequence[str]) -> None:
@@ -149,17 +145,27 @@ def _load_handlers(paths: Sequence[str], modules: Sequence[str]) -> None:
         importlib.import_module(name)
 
 
-async def _serve(args: argparse.Namespace, config: Settings) -> None:
+async def _serve(args: argparse.Namespace, config: Settings) -> int:
+    """The endpoints, then kopf until it stops; the exit status."""
     import kopf
 
     from kopf_reconcile import kopf_shim
     from kopf_reconcile.endpoints import Endpoints
 
     ready = asyncio.Event()
-    endpoints = Endpoints(
-        config.metrics_host, config.metrics_port, ready=ready.is_set, report=kopf_shim.status
-    )
-    url = await endpoints.start()
+    host, port = config.metrics_host, config.metrics_port
+    endpoints = Endpoints(host, port, ready=ready.is_set, report=kopf_shim.status)
+    try:
+        url = await endpoints.start()
+    except OSError as exc:
+        logger.error(
+            "cannot serve /metrics, /healthz and /readyz on %s:%d (KOPF_RECONCILE_METRICS_HOST, "
+            "KOPF_RECONCILE_METRICS_PORT): %s",
+            host,
+            port,
+            exc,
+        )
+        return EXIT_FAILURE
     logger.info("serving %s/metrics, %s/healthz and %s/readyz", url, url, url)
     try:
         await kopf.operator(
@@ -173,6 +179,7 @@ async def _serve(args: argparse.Namespace, config: Settings) -> None:
         )
     finally:
         await endpoints.stop()
+    return 0
 
 
 # -- migrate -------------------------------------------------------------------------------

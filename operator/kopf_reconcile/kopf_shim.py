@@ -28,11 +28,12 @@ peering was asked for explicitly (``kopf run --peering=...`` or
 ``settings.peering.mandatory = True``). Several reconcilers in one operator
 each have their own Loop, cache and lease.
 
-Requeues. After a success the Loop looks at a live object again after the
-reconciler's ``interval`` (jittered); an object that no longer exists is
-forgotten, so per-entity state stays bounded by the live objects. The
-resync-all request a new leader receives re-enqueues every cached object;
-the reconciler itself never sees it.
+Resyncs. A success without ``requeue_after`` leaves nothing behind in the
+Loop: per-entity state stays bounded by the live objects, and a deleted
+object, once reconciled, is forgotten. Every ``interval`` (like
+controller-runtime's SyncPeriod) and whenever a replica becomes the leader,
+the resync-all request re-enqueues every object in the cache; the reconciler
+itself never sees that request.
 
 ``labels`` and ``field_selector`` select objects on the client side: an object
 that stops matching looks deleted to the reconciler (``cached`` returns None),
@@ -46,7 +47,6 @@ import enum
 import functools
 import inspect
 import logging
-import random
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
@@ -54,8 +54,7 @@ from typing import Any, TypeAlias, TypeVar
 import kopf
 
 from kopf_reconcile import settings as process_settings
-from kopf_reconcile.api import RESYNC_ALL, ReconcileFn, Request, Result, as_reconcile_fn
-from kopf_reconcile.backoff import requeue_jitter
+from kopf_reconcile.api import RESYNC_ALL, ReconcileFn, Request, as_reconcile_fn
 from kopf_reconcile.builder import Builder
 from kopf_reconcile.cache import ObjectCache, serving
 from kopf_reconcile.config import ConfigError, Duration, positive_seconds, seconds
@@ -70,6 +69,7 @@ from kopf_reconcile.loop import (
 )
 from kopf_reconcile.metrics import Metrics, register_metrics
 from kopf_reconcile.tenancy import Tenancy
+from kopf_reconcile.triggers import TickerTrigger
 
 __all__ = ["FROM_SETTINGS", "reconciler", "status"]
 
@@ -176,7 +176,6 @@ class _Registration:
         self.loop: Loop | None = None
         self.cache: ObjectCache | None = None
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
-        self._rng = random.Random()
 
     @property
     def reconciler_id(self) -> str:
@@ -214,10 +213,11 @@ class _Registration:
             builder = (
                 Builder(self.reconcile, o.tenancy)
                 .with_trigger(cache)
+                .with_trigger(TickerTrigger(o.interval))  # the periodic resync-all
                 .with_name(o.name)
                 .with_reconciler_id(o.reconciler_id)
                 .with_concurrency(o.concurrency)
-                .without_default_requeue()  # the shim requeues live objects only
+                .without_default_requeue()  # forgotten after success; resyncs come from above
             )
             if o.backoff is not None:
                 builder.with_backoff(*o.backoff)
@@ -279,7 +279,7 @@ class _Registration:
 
     # -- the reconcile the Loop calls ----------------------------------------------------
 
-    async def reconcile(self, req: Request) -> Result | None:
+    async def reconcile(self, req: Request) -> object:
         cache = self.cache
         if cache is None:  # stopped between dispatch and now
             return None
@@ -287,12 +287,7 @@ class _Registration:
             cache.request_resync()
             return None
         with serving(cache):
-            outcome = await self.fn(req)
-        if outcome is None or (isinstance(outcome, Result) and outcome.requeue_after == 0):
-            if req.entity_id not in cache:
-                return None  # gone: forgotten, nothing stays behind
-            return Result(requeue_after=requeue_jitter(self._rng, self.options.interval))
-        return outcome  # type: ignore[return-value]  # a wrong type is dead-lettered by the Loop
+            return await self.fn(req)  # the Loop checks what it returns
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -406,8 +401,9 @@ def reconciler(
       shape) for namespaced objects and ``<name>`` for cluster-scoped ones (which
       therefore need SINGLE_TENANT).
     * ``concurrency``: reconciles of distinct objects at once (default 1).
-    * ``interval``: look at a live object again after this long without a trigger
-      (default 10 h, ±10 % jitter); ``Result(requeue_after=...)`` overrides it.
+    * ``interval``: every this long, every live object is reconciled again (default
+      10 h, controller-runtime's SyncPeriod); ``Result(requeue_after=...)`` asks for one
+      object sooner.
     * ``backoff``: ``(base, max)`` of the per-object retry delay (default 5 ms, 1000 s).
     * ``leader``, ``fenced``: a ``LeaderElector`` / ``FencedRepository``, a factory
       (sync or async, called at startup inside kopf's event loop) returning one, or

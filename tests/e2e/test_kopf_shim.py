@@ -88,7 +88,8 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
 ) -> None:
     registry = kopf.OperatorRegistry()
     leases = MemoryLeaseStore()
-    metrics = kr.register_metrics(CollectorRegistry())
+    prometheus = CollectorRegistry()
+    metrics = kr.register_metrics(prometheus)
     team_a, others = Seen(), Seen()
 
     @kopf.on.login(registry=registry)
@@ -165,6 +166,13 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
         async with http.patch(f"{CONFIGMAPS}/ignored", json=patch, headers=MERGE) as response:
             assert response.status == 200
         await eventually(lambda: team_a.last("default/ignored") is None, timeout=10)
+
+        def reconciles(result: str) -> float | None:
+            labels = {"controller": "reconcile_team_a", "result": result}
+            return prometheus.get_sample_value("kopf_reconcile_reconcile_total", labels)
+
+        assert (reconciles("success") or 0) >= 3
+        assert reconciles("requeue_after") == 0  # resyncs are not requeues
 
         status = kopf_shim.status(registry)
         assert status["reconcile-team-a"]["cached_objects"] == 0
