@@ -38,6 +38,13 @@ itself never sees that request.
 ``labels`` and ``field_selector`` select objects on the client side: an object
 that stops matching looks deleted to the reconciler (``cached`` returns None),
 as a Kubernetes watch with a selector reports it.
+
+A limit of watching without finalizers: when kopf's watch must list again
+(the API server no longer has the events to resume from, "410 Gone"), an
+object deleted during that gap produces no DELETED event, so its cache entry
+stays and the reconciler keeps seeing its last body. Reconcilers whose
+cleanup must never be missed should keep a finalizer of their own on the
+objects (and remove it once cleaned up).
 """
 
 from __future__ import annotations

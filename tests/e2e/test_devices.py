@@ -81,6 +81,13 @@ async def test_one_replica_reconciles_creates_updates_deletes_and_bad_specs(
     assert not operator.lines("Traceback"), operator.text
     assert not operator.lines(RECONCILER_ID, "failed"), operator.text
 
+    # Stopping released the lease at once (a successor need not wait for it to expire).
+    status, output = await operators.command(
+        "leases", f"--kubeconfig={operators.kubeconfig}", f"--namespace={devices.namespace}"
+    )
+    assert status == 0, output
+    assert "(released)" in next(line for line in output.splitlines() if RECONCILER_ID in line)
+
 
 async def _is_tombstone(store: Store, name: str) -> bool:
     return await store.state(name) == {"deleted": True}
@@ -112,6 +119,7 @@ async def test_three_replicas_one_leader_and_failover_after_sigkill(
         await eventually(lambda f=follower: _caches(f, len(first)), timeout=10)
         assert (await _report(follower))["leader"] is False
         assert await follower.reconciles() == 0
+        assert (await follower.get("/readyz"))[0] == 200  # ready, though not leading
     epoch_before = (await devices.get("dev-0") or {})["status"]["epoch"]
 
     leader.kill()
