@@ -67,6 +67,7 @@ class Outcome:
     created: float  # seconds the creation requests took
     stored: float  # seconds until every state was in PostgreSQL
     reported: float  # seconds until every status reported it
+    cpu: float  # CPU seconds the operator process spent meanwhile
     requests: dict[str, int]  # by verb (WATCH for watch requests)
 
     @property
@@ -158,6 +159,7 @@ async def run(
             await create(http, url, "warm-up")
             await until(lambda: stored(pool, namespace, 1), timeout=60)
             await http.delete(COUNTS)
+            cpu_before = cpu_seconds(process.pid)
             started = time.perf_counter()
             semaphore = asyncio.Semaphore(CREATE_CONCURRENCY)
 
@@ -171,6 +173,7 @@ async def run(
             stored_after = time.perf_counter() - started
             await until(lambda: reported(http, url, devices + 1), timeout=600, interval=0.25)
             reported_after = time.perf_counter() - started
+            cpu = cpu_seconds(process.pid) - cpu_before
             async with http.get(COUNTS) as response:
                 requests = await response.json()
         finally:
@@ -180,7 +183,17 @@ async def run(
             except TimeoutError:
                 process.kill()
                 await process.wait()
-    return Outcome(created, stored_after, reported_after, requests)
+    return Outcome(created, stored_after, reported_after, cpu, requests)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def create(http: aiohttp.ClientSession, url: str, name: str) -> None:
@@ -270,14 +283,16 @@ def report(
         f"{created:.2f}s); time until all are reconciled, median of {rounds} rounds"
     )
     print(
-        f"{'':<28} {'state stored':>12} {'status':>8} {'requests/Device':>16} {'writes/Device':>14}"
+        f"{'':<28} {'state stored':>12} {'status':>8} {'requests/Device':>16} "
+        f"{'writes/Device':>14} {'operator CPU':>13}"
     )
     for c in contestants:
         print(
             f"{c.label:<28} {median(c.name, lambda o: o.stored):>11.2f}s "
             f"{median(c.name, lambda o: o.reported):>7.2f}s "
             f"{median(c.name, lambda o: o.total) / devices:>16.2f} "
-            f"{median(c.name, lambda o: o.writes) / devices:>14.2f}"
+            f"{median(c.name, lambda o: o.writes) / devices:>14.2f} "
+            f"{median(c.name, lambda o: o.cpu):>12.2f}s"
         )
     for c in contestants:
         runs = ", ".join(f"{o.stored:.2f}s" for o in outcomes[c.name])
