@@ -5,9 +5,9 @@
 * ``/healthz``: liveness. It answers 200 as long as the event loop runs the
   server, with a JSON report per reconciler (running, leader, epoch, queue
   figures) for people and tests; followers are healthy too.
-* ``/readyz``: readiness: 200 once the operator has started its watches (kopf's
-  startup, which starts every reconciler's Loop, has finished), else 503. It
-  is not tied to leadership: a follower is ready, as a warm standby.
+* ``/readyz``: readiness: 200 once kopf's startup has finished (every
+  reconciler's Loop runs and kopf starts its watches), else 503. It is not
+  tied to leadership: a follower is ready, as a warm standby.
 
 Bind to 127.0.0.1 unless something outside the pod must scrape (then 0.0.0.0).
 """
@@ -79,7 +79,7 @@ class Endpoints:
     async def _readyz(self, request: web.Request) -> web.Response:
         if self._ready():
             return _json(200, {"ready": True})
-        return _json(503, {"ready": False, "reason": "the operator is starting its watches"})
+        return _json(503, {"ready": False, "reason": "the operator is starting"})
 
 
 def _json(status: int, document: object) -> web.Response:
