@@ -56,13 +56,15 @@ async def test_passwords_and_tokens_never_reach_the_logs(
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        (
+        pytest.param(
             {"KOPF_RECONCILE_LEASE_TTL": "soon"},
             "KOPF_RECONCILE_LEASE_TTL must be a number of seconds, got 'soon'",
+            id="bad-ttl",
         ),
-        (
+        pytest.param(
             {"KOPF_RECONCILE_LEADER": "postgres"},
             "KOPF_RECONCILE_LEADER=postgres needs a database: set KOPF_RECONCILE_DATABASE_URL",
+            id="missing-database",
         ),
     ],
 )
