@@ -21,10 +21,9 @@ import statistics
 import asyncpg
 import prometheus_client
 
-import fence_audit
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
-from kopf_reconcile.testing import EmbeddedPostgres
+from kopf_reconcile.testing import EmbeddedPostgres, audit
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import eventually
 
@@ -96,7 +95,7 @@ async def test_reconciles_back_off_during_an_outage_and_converge_after_it(
             .build()
         )
         await repo.migrate()
-        await fence_audit.install(dsn)
+        await audit.install(dsn)
         async with loop:
             await eventually(lambda: loop.stats().is_leader, message="the loop leads")
             epoch = loop.stats().epoch
@@ -138,6 +137,6 @@ async def test_reconciles_back_off_during_an_outage_and_converge_after_it(
             await eventually(converged, message="every entity converges after the outage")
             assert loop.stats().dead_letters == 0
 
-    writes = await fence_audit.applied_writes(dsn)
+    writes = await audit.applied_writes(dsn)
     assert writes == {entity: [(epoch, desired_state(entity))] for entity in ENTITIES}
-    fence_audit.assert_epochs_never_decrease(writes)
+    audit.assert_epochs_never_decrease(writes)

@@ -26,9 +26,9 @@ import pytest
 import pytest_asyncio
 from fleet import ELECTORS, Event, first_event, lease_store, replicas
 
-import fence_audit
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.loop import ACQUIRE_RETRY_JITTER
+from kopf_reconcile.testing import audit
 from support import eventually
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ async def test_a_paused_leaders_late_write_is_rejected_by_the_database(
     fence_dsn = embedded_postgres_dsn
     async with PostgresFencedRepository(fence_dsn, scope=RECONCILER) as fence:
         await fence.migrate()
-        await fence_audit.install(fence_dsn)
+        await audit.install(fence_dsn)
         async with replicas(lease_args, 2, *OPTIONS, "--fence-dsn", fence_dsn) as group:
             a, leading = await first_event(group, event_is("leader"), STARTUP)
             [b] = [replica for replica in group if replica is not a]
@@ -101,11 +101,11 @@ async def test_a_paused_leaders_late_write_is_rejected_by_the_database(
             assert await fence.last_epoch(WORK) == epoch + 1
             assert b.leading and b.leadership() == took_over  # never interrupted
 
-    applied = await fence_audit.applied_writes(fence_dsn)
-    fence_audit.assert_epochs_never_decrease(applied)
+    applied = await audit.applied_writes(fence_dsn)
+    audit.assert_epochs_never_decrease(applied)
     assert late not in applied[WORK]
     assert {e for e, _ in applied[WORK]} == {epoch, epoch + 1}
 
 
 async def _attempted(dsn: str, write: tuple[int, object]) -> bool:
-    return write in (await fence_audit.attempted_writes(dsn)).get(WORK, [])
+    return write in (await audit.attempted_writes(dsn)).get(WORK, [])

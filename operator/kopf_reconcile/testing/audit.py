@@ -6,8 +6,8 @@ that reaches the database (``BEFORE INSERT``: each fenced write is an
 epoch check then lets it through); the other records every write applied
 (``AFTER INSERT OR UPDATE`` of a fence row), with its epoch and state, in the
 order the database applied them. Writes to one entity are serialised by the
-row lock, so per entity the audit order is the order of application. Tests use
-them to prove that a write reached the database and was rejected there, that
+row lock, so per entity the audit order is the order of application. Tests (and the
+demo) use them to prove that a write reached the database and was rejected there, that
 epochs never decrease, and that nothing was applied twice.
 """
 
@@ -19,11 +19,14 @@ from typing import Any
 
 import asyncpg
 
+from kopf_reconcile._cogs.pg import qualified_table
+
 Writes = dict[str, list[tuple[int, Any]]]
 
 
 async def install(dsn: str, fence_table: str = "kopf_reconcile_fence") -> None:
     """Create the audit tables and the triggers on ``fence_table`` (which must exist)."""
+    fence_table = qualified_table("fence_table", fence_table)
     connection = await asyncpg.connect(dsn)
     try:
         for kind, moment in (("attempted", "BEFORE INSERT"), ("applied", "AFTER INSERT OR UPDATE")):
@@ -57,10 +60,19 @@ async def attempted_writes(dsn: str) -> Writes:
     return await _writes(dsn, "attempted")
 
 
+def epoch_regressions(writes: Writes) -> list[str]:
+    """Entities where an older epoch was applied after a newer one (a stale write accepted)."""
+    return [
+        entity
+        for entity, applied in writes.items()
+        if [epoch for epoch, _ in applied] != sorted(epoch for epoch, _ in applied)
+    ]
+
+
 def assert_epochs_never_decrease(writes: Writes) -> None:
-    for entity, applied in writes.items():
-        epochs = [epoch for epoch, _ in applied]
-        assert epochs == sorted(epochs), f"{entity}: an older epoch was applied after a newer one"
+    regressions = epoch_regressions(writes)
+    if regressions:
+        raise AssertionError(f"an older epoch was applied after a newer one: {regressions}")
 
 
 async def _writes(dsn: str, kind: str) -> Writes:
