@@ -29,7 +29,7 @@ $(BIN)/kubectl $(BIN)/helm: | $(STAMP)
 real-apiserver: $(STAMP)
 	$(BIN)/python scripts/real_apiserver.py
 
-demo: $(STAMP)
+demo: $(STAMP) tools
 	$(BIN)/kopf-reconcile demo
 
 lint: $(STAMP)

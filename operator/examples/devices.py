@@ -48,6 +48,22 @@ _api: client.ApiClient | None = None
 _api_lock = asyncio.Lock()
 
 
+def _work_delay() -> float:
+    raw = os.environ.get("DEVICES_WORK_DELAY", "0")
+    try:
+        delay = float(raw)
+    except ValueError:
+        delay = -1.0
+    if not 0 <= delay < 60:
+        raise kr.ConfigError(f"DEVICES_WORK_DELAY must be seconds in [0, 60), got {raw!r}")
+    return delay
+
+
+# Simulated device I/O before each write (seconds; 0 by default). The demo sets it so
+# that a leader is paused or killed in the middle of its work.
+WORK_DELAY = _work_delay()
+
+
 @kr.reconciler(GROUP, VERSION, PLURAL, tenancy=kr.Tenancy.TENANT_SCOPED, concurrency=8)
 async def reconcile_device(req: kr.Request) -> kr.Result | None:
     body = kr.cached(req)
@@ -68,6 +84,8 @@ async def reconcile_device(req: kr.Request) -> kr.Result | None:
     if status.get("observed") == desired and status.get("observedGeneration") == generation:
         return None  # already converged (this is also the echo of our own status patch)
 
+    if WORK_DELAY:
+        await asyncio.sleep(WORK_DELAY)
     epoch = 0
     if writer is not None:
         await writer.write(req.entity_id, {"desired": desired, "generation": generation})

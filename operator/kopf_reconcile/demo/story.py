@@ -1,0 +1,408 @@
+"""The demo's scenario, scene by scene, and the invariants it checks.
+
+1. Start an embedded cluster, an embedded PostgreSQL and N replicas of the
+   example operator (``kopf-reconcile run operator/examples/devices.py``), with
+   Kubernetes Lease leader election and fenced writes.
+2. Create the Devices and watch them converge.
+3. SIGKILL the leader while Devices change: a follower takes over after the
+   lease expires (epoch + 1) and converges them.
+4. SIGSTOP the new leader in the middle of its work, past its lease: a third
+   replica takes over (epoch + 1). SIGCONT the paused one: its late work is
+   refused by the epoch check (or cancelled), and it steps down. A write at its
+   old epoch sent straight to PostgreSQL is rejected by the database.
+5. Verify: every Device converged (database state and status equal the
+   latest spec: no lost update), and the database's own audit shows no write
+   of an older epoch applied after a newer one (no stale write accepted).
+
+Nothing here is staged: the numbers come from the replicas' /metrics, the
+database and the API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import yaml
+from kubernetes_asyncio import client, config
+
+from kopf_reconcile.config import ConfigError
+from kopf_reconcile.demo.stack import DemoError, Replica, Stack
+from kopf_reconcile.demo.view import View
+from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.testing import audit
+
+GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
+NAMESPACE = "default"
+CONTROLLER = "reconcile_device"  # the reconciler's name: the metrics' controller label
+SCOPE = "reconcile-device"  # its reconciler id: lease name and fencing scope
+STATES = ("on", "off", "standby")
+CONVERGE_TIMEOUT = 90.0
+POLL = 0.2
+
+
+@dataclasses.dataclass
+class Options:
+    objects: int = 200
+    replicas: int = 3
+    keep: bool = False
+    ttl: int = 3
+    work_delay: float = 0.2
+    handlers: Path | None = None
+    seed: int = 7
+
+
+@dataclasses.dataclass
+class Summary:
+    objects: int = 0
+    converged: int = 0
+    failovers: list[tuple[str, float, int, int]] = dataclasses.field(default_factory=list)
+    refused_locally: int = 0
+    cancelled: int = 0
+    rejected_by_database: int = 0
+    stale_accepted: int = 0
+    lost_updates: int = 0
+    direct_write_rejected: bool = False
+
+    def ok(self) -> bool:
+        return (
+            self.converged == self.objects
+            and self.lost_updates == 0
+            and self.stale_accepted == 0
+            and len(self.failovers) == 2
+            and self.direct_write_rejected
+        )
+
+
+def find_handlers(explicit: Path | None) -> Path:
+    if explicit is not None:
+        if not explicit.is_file():
+            raise ConfigError(f"--handlers: no such file {str(explicit)!r}")
+        return explicit
+    for base in (Path.cwd(), *Path(__file__).resolve().parents):
+        candidate = base / "operator" / "examples" / "devices.py"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        "--handlers: operator/examples/devices.py not found; run from the project's checkout "
+        "or pass --handlers PATH"
+    )
+
+
+def find_crd(handlers: Path) -> Path:
+    for base in (Path.cwd(), *handlers.resolve().parents):
+        candidate = base / "crds" / "devices.yaml"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError("crds/devices.yaml not found next to the handlers' checkout")
+
+
+class Demo:
+    def __init__(self, options: Options, view: View) -> None:
+        if options.objects < 1:
+            raise ConfigError(f"--objects must be >= 1, got {options.objects}")
+        if options.replicas < 3:
+            raise ConfigError(
+                f"--replicas must be >= 3 (a leader to kill, one to pause, one to take over), "
+                f"got {options.replicas}"
+            )
+        if options.ttl < 1:
+            raise ConfigError(f"--ttl must be a whole number of seconds >= 1, got {options.ttl}")
+        self.options = options
+        self.view = view
+        self.handlers = find_handlers(options.handlers)
+        self.crd = find_crd(self.handlers)
+        self.rng = random.Random(options.seed)
+        self.desired: dict[str, str] = {}
+        self.summary = Summary(objects=options.objects)
+        self.stack = Stack(keep=options.keep, reconciler=CONTROLLER)
+        self._api: client.ApiClient | None = None
+        self._db: asyncpg.Pool | None = None
+
+    # -- the scenes --------------------------------------------------------------
+
+    async def run(self) -> Summary:
+        async with self.stack:
+            try:
+                await self._start()
+                await self._create_devices()
+                await self._kill_the_leader()
+                await self._pause_the_leader()
+                await self._verify()
+                await self._show_leases()
+            finally:
+                if self._api is not None:
+                    await self._api.close()
+                if self._db is not None:
+                    await self._db.close()
+                if self.options.keep:
+                    self.view.note(f"kept {self.stack.workdir} (logs, kubeconfig)")
+        return self.summary
+
+    async def _start(self) -> None:
+        url = await self.stack.start_cluster()
+        self.view.note(f"embedded Kubernetes API at {url}")
+        dsn = await self.stack.start_postgres()
+        self.view.note("embedded PostgreSQL started")
+        await config.load_kube_config(config_file=str(self.stack.kubeconfig))
+        self._api = client.ApiClient()
+        crd = yaml.safe_load(self.crd.read_text())
+        await client.ApiextensionsV1Api(self._api).create_custom_resource_definition(crd)
+        async with PostgresFencedRepository(dsn, scope=SCOPE) as repository:
+            await repository.migrate()
+        await audit.install(dsn)
+        self._db = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+        env = {
+            "KOPF_RECONCILE_DATABASE_URL": dsn,
+            "KOPF_RECONCILE_LEADER": "kubernetes",
+            "POD_NAMESPACE": NAMESPACE,
+            "KOPF_RECONCILE_LEASE_TTL": str(self.options.ttl),
+            "KOPF_RECONCILE_RENEW_INTERVAL": str(round(self.options.ttl / 10, 3)),
+            "DEVICES_WORK_DELAY": str(self.options.work_delay),
+        }
+        replicas = [
+            await self.stack.start_replica(self.handlers, env) for _ in range(self.options.replicas)
+        ]
+        await asyncio.gather(*(self.stack.wait_ready(r) for r in replicas))
+        self.view.note(
+            f"{len(replicas)} replicas of {self.handlers.name} running "
+            f"(lease TTL {self.options.ttl}s, Kubernetes Lease election, fenced PostgreSQL)"
+        )
+        await self._until(lambda: self._leader() is not None, "electing a leader", 30)
+        leader = self._leader()
+        assert leader is not None
+        self.view.note(f"{leader.name} leads at epoch {leader.last.epoch}")
+
+    async def _create_devices(self) -> None:
+        names = [f"device-{i:03d}" for i in range(self.options.objects)]
+        api = client.CustomObjectsApi(self._api)
+        limit = asyncio.Semaphore(16)
+
+        async def create(name: str) -> None:
+            desired = self.rng.choice(STATES)
+            body = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "Device",
+                "metadata": {"name": name},
+                "spec": {"desired": desired},
+            }
+            async with limit:
+                await api.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+            self.desired[f"{NAMESPACE}/{name}"] = desired
+
+        started = time.monotonic()
+        await asyncio.gather(*(create(n) for n in names))
+        self.view.note(f"created {len(names)} Devices")
+        await self._until_converged("converging")
+        self.view.note(f"all {len(names)} Devices converged in {time.monotonic() - started:.1f}s")
+
+    async def _kill_the_leader(self) -> None:
+        leader = self._leader()
+        assert leader is not None
+        old = leader.last.epoch
+        self.view.note(f"SIGKILL {leader.name} (pid {leader.pid}), the leader at epoch {old}")
+        killed_at = time.monotonic()
+        self.stack.kill(leader)
+        await self._flip(max(1, self.options.objects // 10))
+        await self._failover("SIGKILL", old, killed_at)
+        await self._until_converged("converging under the new leader")
+
+    async def _pause_the_leader(self) -> None:
+        leader = self._leader()
+        assert leader is not None
+        old = leader.last.epoch
+        await self._flip(max(1, self.options.objects // 5))
+        await self._until(lambda: leader.last.in_flight > 0, f"{leader.name} is working", 10)
+        before = dataclasses.replace(leader.last)
+        self.view.note(
+            f"SIGSTOP {leader.name} (pid {leader.pid}), the leader at epoch {old}, "
+            f"in the middle of {leader.last.in_flight} reconcile(s)"
+        )
+        paused_at = time.monotonic()
+        self.stack.pause(leader)
+        await self._failover("SIGSTOP past the TTL", old, paused_at)
+        await self._until_converged("converging under the third leader")
+        self.view.note(f"SIGCONT {leader.name}: it wakes up believing it leads at epoch {old}")
+        self.stack.resume(leader)
+        await self._until(
+            lambda: (
+                not leader.last.leader
+                and (leader.last.stale > before.stale or leader.last.canceled > before.canceled)
+            ),
+            f"{leader.name} notices it lost the lease",
+            self.options.ttl * 3 + 10,
+        )
+        await asyncio.sleep(1.0)  # let its last refusals reach the metrics
+        await self.stack.scrape(leader)
+        self.summary.refused_locally = leader.last.stale - before.stale
+        self.summary.cancelled = leader.last.canceled - before.canceled
+        self.view.note(
+            f"{leader.name} stepped down: {self.summary.refused_locally} late write(s) refused by "
+            f"the epoch check, {self.summary.cancelled} reconcile(s) cancelled, none applied"
+        )
+        # The database is the real guard: a write at the old epoch to a Device the new
+        # leader has written must be rejected there (monotonic fencing: epoch < last_epoch).
+        assert self._db is not None
+        entity = await self._db.fetchval(
+            "SELECT entity_id FROM kopf_reconcile_fence WHERE scope = $1 AND last_epoch > $2 "
+            "ORDER BY entity_id LIMIT 1",
+            SCOPE,
+            old,
+        )
+        async with PostgresFencedRepository(self.stack.dsn, scope=SCOPE) as repository:
+            accepted = await repository.apply_fenced(entity, old, {"desired": "zombie"})
+        self.summary.direct_write_rejected = not accepted
+        verdict = "REJECTED by the database" if not accepted else "ACCEPTED (fencing is broken!)"
+        self.view.note(f"a write to {entity} at epoch {old}, straight to PostgreSQL: {verdict}")
+
+    async def _verify(self) -> None:
+        await self._until_converged("final convergence", strict=False)
+        states = await self._states()
+        api = client.CustomObjectsApi(self._api)
+        listing = await api.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)
+        observed = {
+            f"{NAMESPACE}/{o['metadata']['name']}": (o.get("status") or {}).get("observed")
+            for o in listing["items"]
+        }
+        lost = [
+            e
+            for e, want in self.desired.items()
+            if states.get(e, {}).get("desired") != want or observed.get(e) != want
+        ]
+        self.summary.converged = self.summary.objects - len(lost)
+        self.summary.lost_updates = len(lost)
+        applied = await audit.applied_writes(self.stack.dsn)
+        attempted = await audit.attempted_writes(self.stack.dsn)
+        self.summary.stale_accepted = len(audit.epoch_regressions(applied))
+        self.summary.rejected_by_database = sum(len(w) for w in attempted.values()) - sum(
+            len(w) for w in applied.values()
+        )
+
+    async def _show_leases(self) -> None:
+        kubeconfig = str(self.stack.kubeconfig)
+        kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which(
+            "kubectl"
+        )
+        if kubectl is None:
+            self.view.block("kubectl get leases", ["(kubectl not installed: skipped)"])
+        else:
+            out = await _output(kubectl, f"--kubeconfig={kubeconfig}", "get", "leases", "-n",
+                                NAMESPACE)  # fmt: skip
+            self.view.block(f"$ kubectl get leases -n {NAMESPACE}", out.splitlines())
+        out = await _output(sys.executable, "-m", "kopf_reconcile", "leases",
+                            f"--kubeconfig={kubeconfig}", "-n", NAMESPACE)  # fmt: skip
+        self.view.block(f"$ kopf-reconcile leases -n {NAMESPACE}", out.splitlines())
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _leader(self) -> Replica | None:
+        leaders = [r for r in self.stack.replicas if r.state == "running" and r.last.leader]
+        return max(leaders, key=lambda r: r.last.epoch) if leaders else None
+
+    async def _flip(self, count: int) -> None:
+        """Change the desired state of ``count`` Devices (work for whoever leads)."""
+        api = client.CustomObjectsApi(self._api)
+        for entity in self.rng.sample(sorted(self.desired), count):
+            desired = self.rng.choice([s for s in STATES if s != self.desired[entity]])
+            name = entity.split("/", 1)[1]
+            patch = [{"op": "replace", "path": "/spec/desired", "value": desired}]
+            await api.patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name, patch)
+            self.desired[entity] = desired
+        self.view.note(f"changed spec.desired of {count} Devices")
+
+    async def _failover(self, kind: str, old_epoch: int, since: float) -> None:
+        """Wait for a new leader's first accepted write at a higher epoch; record the time."""
+
+        async def written_by_new_leader() -> bool:
+            assert self._db is not None
+            count = await self._db.fetchval(
+                "SELECT count(*) FROM kopf_reconcile_fence WHERE scope = $1 AND last_epoch > $2",
+                SCOPE,
+                old_epoch,
+            )
+            return bool(count)
+
+        await self._until_async(
+            written_by_new_leader, f"waiting for a new leader ({kind})", self.options.ttl * 4 + 20
+        )
+        took = time.monotonic() - since
+        leader = self._leader()
+        new_epoch = leader.last.epoch if leader else old_epoch + 1
+        self.summary.failovers.append((kind, took, old_epoch, new_epoch))
+        who = leader.name if leader else "a replica"
+        self.view.note(
+            f"{who} took over at epoch {new_epoch}; first write {took:.2f}s after the {kind}"
+        )
+
+    async def _states(self) -> dict[str, dict[str, Any]]:
+        assert self._db is not None
+        rows = await self._db.fetch(
+            "SELECT entity_id, state::text FROM kopf_reconcile_fence WHERE scope = $1", SCOPE
+        )
+        return {r["entity_id"]: json.loads(r["state"] or "{}") for r in rows}
+
+    async def _converged(self) -> int:
+        states = await self._states()
+        return sum(
+            1 for e, want in self.desired.items() if states.get(e, {}).get("desired") == want
+        )
+
+    async def _until_converged(self, what: str, strict: bool = True) -> None:
+        total = len(self.desired)
+        converged = 0
+
+        async def done() -> bool:
+            nonlocal converged
+            converged = await self._converged()
+            return converged == total
+
+        try:
+            await self._until_async(
+                done, what, CONVERGE_TIMEOUT, lambda: f"{what}: {converged}/{total} converged"
+            )
+        except DemoError:
+            if strict:
+                raise
+
+    async def _until(self, condition: Callable[[], bool], what: str, timeout: float) -> None:
+        async def check() -> bool:
+            return condition()
+
+        await self._until_async(check, what, timeout)
+
+    async def _until_async(
+        self,
+        condition: Callable[[], Any],
+        what: str,
+        timeout: float,
+        status: Callable[[], str] | None = None,
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            for replica in self.stack.replicas:
+                await self.stack.scrape(replica)
+            if await condition():
+                self.view.update(status() if status else what, self.stack.replicas)
+                return
+            self.view.update(status() if status else what, self.stack.replicas)
+            if time.monotonic() > deadline:
+                raise DemoError(f"timed out after {timeout:.0f}s: {what}")
+            await asyncio.sleep(POLL)
+
+
+async def _output(*command: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    out, _ = await process.communicate()
+    return out.decode(errors="replace").rstrip()
