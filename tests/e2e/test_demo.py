@@ -1,0 +1,117 @@
+"""`kopf-reconcile demo` end to end: its summary, its exit code, and its cleanup."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = [sys.executable, "-m", "kopf_reconcile", "demo"]
+
+
+def summary_value(output: str, row: str) -> str:
+    match = re.search(rf"^\s+{re.escape(row)}\s+(\S+)", output, re.MULTILINE)
+    assert match, f"no {row!r} row in the summary:\n{output}"
+    return match.group(1)
+
+
+def test_demo_runs_the_story_and_every_invariant_holds() -> None:
+    result = subprocess.run(
+        [*DEMO, "--objects", "20", "--ttl", "2", "--work-delay", "0.1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert summary_value(output, "objects") == "20"
+    assert summary_value(output, "converged") == "20"
+    assert summary_value(output, "failovers") == "2"
+    assert summary_value(output, "stale writes accepted") == "0"
+    assert summary_value(output, "lost updates") == "0"
+    assert "every invariant held" in output
+    assert "REJECTED by the database" in output
+    assert "$ kopf-reconcile leases" in output
+    workdir = re.search(r"workdir (\S+?)\)", output)
+    assert workdir and not Path(workdir.group(1)).exists()
+
+
+def test_demo_rejects_bad_options_clearly() -> None:
+    result = subprocess.run(
+        [*DEMO, "--replicas", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--replicas must be >= 3" in result.stderr
+
+
+def _processes() -> dict[int, str]:
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found[int(entry.name)] = (
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                )
+            except OSError:
+                continue
+    return found
+
+
+def test_interrupted_demo_leaves_no_process_or_directory_behind() -> None:
+    before = _processes()
+    temp = Path(tempfile.gettempdir())
+    entries_before = set(temp.iterdir())
+    demo = subprocess.Popen(
+        [*DEMO, "--objects", "20", "--ttl", "2"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert demo.stdout is not None
+        deadline = time.monotonic() + 120
+        lines: list[str] = []
+        while time.monotonic() < deadline:
+            line = demo.stdout.readline()
+            lines.append(line)
+            if "replicas of" in line or not line:
+                break
+        assert any("replicas of" in line for line in lines), "".join(lines)
+        started = {
+            pid: cmd
+            for pid, cmd in _processes().items()
+            if pid not in before and ("kopf_reconcile" in cmd or "postgres" in cmd)
+        }
+        assert len(started) >= 5, started  # the demo, the cluster, 3 replicas (+ PostgreSQL)
+        demo.send_signal(signal.SIGINT)
+        rest, _ = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    output = "".join(lines) + rest
+    assert demo.returncode == 130, output
+    assert "interrupted" in output
+    deadline = time.monotonic() + 10
+    alive = started
+    while alive and time.monotonic() < deadline:
+        now = _processes()
+        alive = {pid: cmd for pid, cmd in started.items() if now.get(pid) == cmd}
+        time.sleep(0.1)
+    assert not alive, f"left running: {alive}"
+    left = {p for p in set(temp.iterdir()) - entries_before if os.path.exists(p)}
+    assert not left, f"left behind: {left}"
