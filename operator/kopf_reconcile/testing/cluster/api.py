@@ -1,17 +1,23 @@
-"""The verbs of the Kubernetes API on stored objects: create, get, list, update, patch, delete.
+"""The verbs of the Kubernetes API on stored objects: create, get, list, update, patch,
+apply, delete.
 
 This is where kube-apiserver's generic registry semantics live, independent of HTTP:
 server-set metadata (``uid``, ``creationTimestamp``, ``resourceVersion``, ``generation``),
-optimistic concurrency (409 on a stale ``resourceVersion``), no-op writes that keep the
-``resourceVersion`` and emit no event, the ``status`` subresource, graceful deletion with
-finalizers (``deletionTimestamp`` first, removal when the last finalizer goes), and what
-kube-apiserver's own controllers do next to its registry: namespaces and CRDs empty
-themselves before they disappear, and core Events expire.
+optimistic concurrency (409 on a stale ``resourceVersion``; 422 for a PUT without one where
+the kind requires it), no-op writes that keep the ``resourceVersion`` and emit no event, the
+``status`` subresource, server-side apply, graceful deletion with finalizers
+(``deletionTimestamp`` first, removal when the last finalizer goes), the namespace admission
+(no new content in a missing or terminating namespace), and what kube-apiserver's
+controllers do next to it: a deleted namespace is emptied and removed a moment later (by
+kube-controller-manager in a real cluster), a deleted CRD takes its objects along, and core
+Events expire.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
 import random
 import uuid
 from collections.abc import Callable
@@ -19,12 +25,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from kopf_reconcile.testing.cluster import crds, errors, patching, validation
+from kopf_reconcile.testing.cluster import applying, crds, errors, patching, validation
 from kopf_reconcile.testing.cluster.resources import ResourceRegistry, ResourceType, StorageKey
 from kopf_reconcile.testing.cluster.store import Object, Store
 
 #: Namespaces that exist in every kube-apiserver from its start.
 SYSTEM_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
+#: Namespaces kube-apiserver refuses to delete (403).
+IMMORTAL_NAMESPACES = frozenset({"default", "kube-system", "kube-public"})
 
 NAMESPACES_KEY: StorageKey = ("", "namespaces")
 EVENTS_KEY: StorageKey = ("", "events")
@@ -40,7 +48,6 @@ _SERVER_OWNED_ON_CREATE = (
     "deletionTimestamp",
     "deletionGracePeriodSeconds",
     "selfLink",
-    "managedFields",
 )
 #: Metadata an update cannot change: the stored values are kept.
 _KEPT_ON_UPDATE = (
@@ -87,16 +94,25 @@ class ResourceAPI:
         registry: ResourceRegistry,
         *,
         max_events: int,
+        namespace_termination_delay: float,
         clock: Clock = _utcnow,
     ) -> None:
         self.store = store
         self.registry = registry
         self._max_events = max_events
+        self._namespace_termination_delay = namespace_termination_delay
         self._clock = clock
+        self._timers: set[asyncio.TimerHandle] = set()
+        self._emptied_namespaces: set[str] = set()  # terminating ones the controller emptied
         namespaces = self._namespaces()
         for name in SYSTEM_NAMESPACES:
             self.create(namespaces, "", {"metadata": {"name": name}})
-        store.mark_history_start()
+
+    def close(self) -> None:
+        """Cancel the pending work of the namespace controller (at shutdown)."""
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
 
     def _namespaces(self) -> ResourceType:
         resource = self.registry.get("", "v1", "namespaces")
@@ -130,6 +146,10 @@ class ResourceAPI:
         obj = self._decode(resource, body, options)
         meta = obj["metadata"]
         if resource.namespaced:
+            # Admission comes before everything but decoding, as kube-apiserver's
+            # NamespaceLifecycle plugin does: the target has no generated name yet.
+            admitted = resource.target(meta.get("name") or meta.get("generateName", ""))
+            self._check_namespace_accepts(admitted, namespace)
             if meta.get("namespace", namespace) != namespace:
                 raise errors.bad_request(
                     "the namespace of the provided object does not match the namespace sent "
@@ -148,8 +168,6 @@ class ResourceAPI:
             problems = self._validate(resource, obj)
         if problems:
             raise errors.invalid(target, problems)
-        if resource.namespaced:
-            self._check_namespace_accepts(target, namespace)
         if self.store.get(resource.storage_key, meta.get("namespace", ""), meta["name"]):
             raise errors.already_exists(target)
         if options.dry_run:
@@ -164,6 +182,9 @@ class ResourceAPI:
             meta.pop(server_owned, None)
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = validation.format_time(self._clock())
+        managed = applying.sent_on_create(meta.pop("managedFields", None))
+        if managed:
+            meta["managedFields"] = managed
         if resource.tracks_generation:
             meta["generation"] = 1
         if resource.custom and resource.status_subresource:
@@ -201,10 +222,16 @@ class ResourceAPI:
         if ns is None:
             raise errors.not_found(self._namespaces().target(namespace))
         if ns["metadata"].get("deletionTimestamp"):
+            cause = {
+                "reason": "NamespaceTerminating",
+                "message": f"namespace {namespace} is being terminated",
+                "field": "metadata.namespace",
+            }
             raise errors.forbidden(
                 target,
                 f"unable to create new content in namespace {namespace} "
                 "because it is being terminated",
+                [cause],
             )
 
     # Updating.
@@ -238,7 +265,13 @@ class ResourceAPI:
                 raise errors.bad_request(_name_mismatch(body["metadata"]["name"], name))
             return self.create(resource, namespace, body, options), True
         updated = self._update(
-            resource, namespace, name, lambda _: body, subresource=subresource, options=options
+            resource,
+            namespace,
+            name,
+            lambda _: body,
+            subresource=subresource,
+            options=options,
+            require_version=not resource.unconditional_update,
         )
         return updated, False
 
@@ -259,6 +292,7 @@ class ResourceAPI:
             accepted = [patching.JSON_PATCH, patching.MERGE_PATCH]
             if not resource.custom:
                 accepted.append(patching.STRATEGIC_MERGE_PATCH)
+            accepted.append(patching.APPLY_PATCH)
             raise errors.unsupported_patch_type(accepted)
 
         def apply(current: Object) -> Any:
@@ -276,6 +310,97 @@ class ResourceAPI:
             options=options or WriteOptions(),
         )
 
+    def apply(
+        self,
+        resource: ResourceType,
+        namespace: str,
+        name: str,
+        config: Any,
+        *,
+        manager: str,
+        force: bool,
+        subresource: str = "",
+        options: WriteOptions | None = None,
+    ) -> tuple[Object, bool]:
+        """Server-side apply: the new state, and whether it was created (see :mod:`.applying`)."""
+        options = options or WriteOptions()
+        config = self._apply_configuration(resource, namespace, name, config)
+        decoded = self._decode(resource, config, options)
+        owned = {
+            path
+            for path, _ in applying.applied_fields(config)
+            if applying.present(decoded, path) and _applies_to(resource, subresource, path)
+        }
+        time = validation.format_time(self._clock())
+        # Unknown fields were reported above; the writes below see them again.
+        options = dataclasses.replace(options, field_validation="Ignore")
+        current = self.store.get(resource.storage_key, namespace, name)
+        if current is None:
+            if subresource:
+                raise errors.not_found(resource.target(name))
+            if not (config.get("metadata") or {}).get("name"):
+                raise errors.bad_request(
+                    f"the name of the object ({name} based on URL) was undeterminable: "
+                    "name must be provided"
+                )
+            entry = applying.apply_entry(manager, resource.api_version, owned, time)
+            metadata = {**config["metadata"], "managedFields": [entry] if owned else None}
+            return self.create(resource, namespace, {**config, "metadata": metadata}, options), True
+        merged = applying.applied(
+            current,
+            config,
+            owned,
+            manager=manager,
+            force=force,
+            api_version=resource.api_version,
+            time=time,
+        )
+        updated = self._update(
+            resource,
+            namespace,
+            name,
+            lambda _: merged,
+            subresource=subresource,
+            options=options,
+            applied=True,
+        )
+        return updated, False
+
+    def _apply_configuration(
+        self, resource: ResourceType, namespace: str, name: str, config: Any
+    ) -> Object:
+        """Check an apply configuration's identity as kube-apiserver does, before anything."""
+        if not isinstance(config, dict):
+            raise errors.bad_request(
+                "error decoding YAML: error unmarshaling JSON: while decoding JSON: json: "
+                f"cannot unmarshal {type(config).__name__} into Go value of type "
+                "map[string]interface {}"
+            )
+        version = config.get("apiVersion") or ""
+        if version != resource.api_version:
+            raise errors.bad_request(
+                f"Incorrect version specified in apply patch. Specified patch version: "
+                f"{version}, expected: {resource.api_version}"
+            )
+        kind = config.get("kind") or ""
+        if kind != resource.kind:
+            raise errors.storage_error(
+                f"failed to create typed patch object: no corresponding type for "
+                f"{resource.api_version}, Kind={kind}"
+            )
+        metadata = config.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            return config  # decoding answers 400 for it
+        if metadata.get("name", name) != name:
+            raise errors.bad_request(_name_mismatch(metadata["name"], name))
+        sent_namespace = metadata.get("namespace")
+        if resource.namespaced and sent_namespace and sent_namespace != namespace:
+            raise errors.bad_request(
+                f"the namespace of the object ({sent_namespace}) does not match the namespace "
+                f"on the request ({namespace})"
+            )
+        return config
+
     def _update(
         self,
         resource: ResourceType,
@@ -285,7 +410,15 @@ class ResourceAPI:
         *,
         subresource: str,
         options: WriteOptions,
+        require_version: bool = False,
+        applied: bool = False,
     ) -> Object:
+        """Write a new state computed from the current one.
+
+        ``require_version``: the body must name the resourceVersion it updates (a PUT of a
+        kind that forbids unconditional updates). ``applied``: the state comes from a
+        server-side apply, its managedFields already final.
+        """
         target = resource.target(name)
         current = self.get(resource, namespace, name)
         obj = self._decode(resource, compute(copy.deepcopy(current)), options)
@@ -298,12 +431,20 @@ class ResourceAPI:
                 "on the request"
             )
         requested_version = meta.get("resourceVersion")
+        if require_version and not requested_version:
+            raise errors.resource_version_required(target)
         if requested_version and requested_version != current["metadata"]["resourceVersion"]:
             raise errors.stale_resource_version(target)
         if meta.get("uid", current["metadata"]["uid"]) != current["metadata"]["uid"]:
             immutable = errors.FieldError.invalid("metadata.uid", meta["uid"], "field is immutable")
             raise errors.invalid(target, [immutable])
+        sent_managed = meta.get("managedFields")
         obj = self._prepare_update(resource, obj, current, subresource)
+        managed = sent_managed if applied else applying.after_update(sent_managed, current, obj)
+        if managed:
+            obj["metadata"]["managedFields"] = managed
+        else:
+            obj["metadata"].pop("managedFields", None)
         problems = validation.validate_metadata(resource, obj) + self._validate(resource, obj)
         if problems:
             raise errors.invalid(target, problems)
@@ -311,7 +452,11 @@ class ResourceAPI:
             return current  # kube-apiserver skips no-op writes: same resourceVersion, no event
         if options.dry_run:
             return obj
-        if obj["metadata"].get("deletionTimestamp") and not obj["metadata"].get("finalizers"):
+        if (
+            obj["metadata"].get("deletionTimestamp")
+            and not obj["metadata"].get("finalizers")
+            and not self._finalized_by_controller(resource)
+        ):
             gone = self.store.remove(resource.storage_key, obj)
             self._after_removal(resource, gone)
             return gone
@@ -332,9 +477,11 @@ class ResourceAPI:
                 meta[kept] = old_meta[kept]
             else:
                 meta.pop(kept, None)
-        meta.pop("managedFields", None)
         meta.pop("selfLink", None)
         meta["resourceVersion"] = old_meta["resourceVersion"]
+        if resource.storage_key == NAMESPACES_KEY and "spec" in current:
+            # spec.finalizers change only through /finalize, as in kube-apiserver.
+            obj["spec"] = copy.deepcopy(current["spec"])
         if subresource == "status":
             # Through the status subresource only the status changes; the rest is kept.
             obj = _with_status_of(current, obj)
@@ -365,6 +512,8 @@ class ResourceAPI:
         Returns its last state and whether it is gone (False: it waits for finalizers).
         """
         target = resource.target(name)
+        if resource.storage_key == NAMESPACES_KEY and name in IMMORTAL_NAMESPACES:
+            raise errors.forbidden(target, "this namespace may not be deleted")
         current = self.get(resource, namespace, name)
         meta = current["metadata"]
         for key, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
@@ -395,12 +544,16 @@ class ResourceAPI:
             terminating = crds.with_defaults_and_status(terminating, self._clock())
         stored = self.store.put(resource.storage_key, terminating, current)
         self._after_write(resource, stored)
+        if resource.storage_key == NAMESPACES_KEY:
+            self._terminate_namespace_later(stored)
         return stored, False
 
     def _needs_finalization(self, resource: ResourceType, obj: Object) -> bool:
-        if obj["metadata"].get("finalizers"):
-            return True
-        # A namespace is emptied by its controller, a CRD's objects by the CRD finalizer.
+        return bool(obj["metadata"].get("finalizers")) or self._finalized_by_controller(resource)
+
+    def _finalized_by_controller(self, resource: ResourceType) -> bool:
+        # A namespace is emptied by its controller, a CRD's objects by the CRD finalizer:
+        # deleting either only marks it, and it goes once its content has gone.
         return resource.storage_key in (NAMESPACES_KEY, crds.CRD_KEY)
 
     # Consequences of writes: the controllers kube-apiserver runs next to its registry.
@@ -413,7 +566,7 @@ class ResourceAPI:
         elif key == crds.CRD_KEY:
             self.registry.define(stored["metadata"]["name"], crds.resource_types(stored))
         elif key == NAMESPACES_KEY and terminating:
-            self._finalize_namespace(stored["metadata"]["name"])
+            self._reap_namespace(stored["metadata"]["name"])  # its own finalizers may be gone
         elif key == EVENTS_KEY:
             self._evict_old_events()
 
@@ -427,7 +580,30 @@ class ResourceAPI:
         if resource.custom:
             self._reap_crd(resource)
 
-    def _finalize_namespace(self, namespace: str) -> None:
+    def _terminate_namespace_later(self, namespace: Object) -> None:
+        """Empty a deleted namespace after the delay a namespace controller takes.
+
+        Until then it stays ``Terminating`` with its content in place: creates in it are
+        refused (403), updates of its objects go through, as in a real cluster.
+        """
+        name, uid = namespace["metadata"]["name"], namespace["metadata"]["uid"]
+        if self._namespace_termination_delay <= 0:
+            self._empty_namespace(name, uid)
+            return
+
+        def empty() -> None:
+            self._timers.discard(timer)
+            self._empty_namespace(name, uid)
+
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self._namespace_termination_delay, empty)
+        self._timers.add(timer)
+
+    def _empty_namespace(self, namespace: str, uid: str) -> None:
+        ns = self.store.get(NAMESPACES_KEY, "", namespace)
+        if ns is None or ns["metadata"]["uid"] != uid:
+            return
+        self._emptied_namespaces.add(namespace)
         for resource in self._one_type_per_storage():
             if resource.namespaced:
                 for obj in self.store.items(resource.storage_key, namespace):
@@ -436,14 +612,17 @@ class ResourceAPI:
         self._reap_namespace(namespace)
 
     def _reap_namespace(self, namespace: str) -> None:
+        """Remove a terminating namespace once its controller has emptied it."""
         ns = self.store.get(NAMESPACES_KEY, "", namespace)
         if (
             ns is not None
+            and namespace in self._emptied_namespaces
             and ns["metadata"].get("deletionTimestamp")
             and not ns["metadata"].get("finalizers")
             and self.store.namespace_is_empty(namespace)
         ):
             self.store.remove(NAMESPACES_KEY, ns)
+            self._emptied_namespaces.discard(namespace)
 
     def _finalize_crd(self, crd: Object) -> None:
         resource = crds.storage_type(crd)
@@ -480,6 +659,14 @@ class ResourceAPI:
         for resource in self.registry:
             seen.setdefault(resource.storage_key, resource)
         return list(seen.values())
+
+
+def _applies_to(resource: ResourceType, subresource: str, path: applying.FieldPath) -> bool:
+    """Whether an applied field belongs to the (sub)resource applied to: with a status
+    subresource, the main resource owns everything but the status, and the status only it."""
+    if not resource.status_subresource:
+        return True
+    return (path[0] == "status") == (subresource == "status")
 
 
 def _name_mismatch(body_name: str, url_name: str) -> str:

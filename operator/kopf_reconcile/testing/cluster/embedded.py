@@ -35,6 +35,9 @@ DEFAULT_BOOKMARK_INTERVAL = 60.0  # seconds between BOOKMARKs, about kube-apiser
 DEFAULT_WATCH_TIMEOUT = (
     1800.0  # seconds a watch lasts without timeoutSeconds (--min-request-timeout)
 )
+#: Seconds a deleted namespace stays Terminating with its content before it is emptied and
+#: removed: about what kube-controller-manager's namespace controller takes; 0 does it at once.
+DEFAULT_NAMESPACE_TERMINATION_DELAY = 1.0
 
 
 class EmbeddedCluster:
@@ -49,11 +52,17 @@ class EmbeddedCluster:
         max_events: int = DEFAULT_MAX_EVENTS,
         bookmark_interval: float = DEFAULT_BOOKMARK_INTERVAL,
         watch_timeout: float = DEFAULT_WATCH_TIMEOUT,
+        namespace_termination_delay: float = DEFAULT_NAMESPACE_TERMINATION_DELAY,
     ) -> None:
         self._port = port
         self.store = Store(history_size=history_size, watch_queue_size=watch_queue_size)
         self.registry = ResourceRegistry()
-        self.api = ResourceAPI(self.store, self.registry, max_events=max_events)
+        self.api = ResourceAPI(
+            self.store,
+            self.registry,
+            max_events=max_events,
+            namespace_termination_delay=namespace_termination_delay,
+        )
         self.faults = FaultInjector()
         self.server = ApiServer(
             self.api, self.faults, bookmark_interval=bookmark_interval, watch_timeout=watch_timeout
@@ -90,6 +99,7 @@ class EmbeddedCluster:
     async def stop(self) -> None:
         if self._runner is None:
             return
+        self.api.close()
         self.server.close_watches()
         await self._runner.cleanup()
         self._runner = None

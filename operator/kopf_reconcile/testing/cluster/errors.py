@@ -121,8 +121,9 @@ class ApiError(Exception):
             "metadata": {},
             "status": "Failure",
             "message": self.message,
-            "reason": self.reason,
         }
+        if self.reason:  # errors passed through from storage carry none
+            body["reason"] = self.reason
         if self.details is not None:
             body["details"] = self.details
         body["code"] = self.code
@@ -171,6 +172,26 @@ def invalid(target: Target, errors: Sequence[FieldError]) -> ApiError:
     return ApiError(422, message, "Invalid", details)
 
 
+def resource_version_required(target: Target) -> ApiError:
+    """A PUT without ``metadata.resourceVersion`` for a kind that forbids unconditional updates.
+
+    kube-apiserver's registry names the resource (not the Kind) in this one, and renders the
+    missing version as Go's ``%#v`` of an unsigned zero.
+    """
+    as_resource = Target(target.group, target.plural, target.plural, target.name)
+    missing = FieldError(
+        "metadata.resourceVersion",
+        "FieldValueInvalid",
+        "Invalid value: 0x0: must be specified for an update",
+    )
+    return invalid(as_resource, [missing])
+
+
+def invalid_options(kind: str, errors: Sequence[FieldError]) -> ApiError:
+    """Invalid query parameters (``ListOptions``, ``PatchOptions`` of ``meta.k8s.io``)."""
+    return invalid(Target(group="meta.k8s.io", plural="", kind=kind, name=""), errors)
+
+
 def bad_request(message: str) -> ApiError:
     return ApiError(400, message, "BadRequest")
 
@@ -209,9 +230,47 @@ def expired(message: str) -> ApiError:
     return ApiError(410, message, "Expired")
 
 
-def forbidden(target: Target, detail: str) -> ApiError:
+def too_large_resource_version(requested: int, current: int) -> ApiError:
+    """A read newer than the server has seen (after waiting for it): clients retry later."""
+    details = {
+        "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+        "retryAfterSeconds": 1,
+    }
+    message = f"Timeout: Too large resource version: {requested}, current: {current}"
+    return ApiError(504, message, "Timeout", details)
+
+
+def storage_error(message: str) -> ApiError:
+    """An error kube-apiserver passes through from its storage: 500 with no reason."""
+    return ApiError(500, message, "")
+
+
+def forbidden(
+    target: Target, detail: str, causes: Sequence[dict[str, str]] | None = None
+) -> ApiError:
     message = f'{target.group_resource} "{target.name}" is forbidden: {detail}'
-    return ApiError(403, message, "Forbidden", _details(target))
+    details = _details(target)
+    if causes:
+        details["causes"] = list(causes)
+    return ApiError(403, message, "Forbidden", details)
+
+
+def apply_conflict(conflicts: Sequence[tuple[str, str]]) -> ApiError:
+    """Server-side apply conflicts: (manager as printed, field path) pairs, sorted by path."""
+    causes = [
+        {"reason": "FieldManagerConflict", "message": f"conflict with {manager}", "field": path}
+        for manager, path in conflicts
+    ]
+    if len(conflicts) == 1:
+        manager, path = conflicts[0]
+        message = f"Apply failed with 1 conflict: conflict with {manager}: {path}"
+    else:
+        lines: list[str] = []
+        for manager in sorted({manager for manager, _ in conflicts}):
+            lines.append(f"conflicts with {manager}:")
+            lines.extend(f"- {path}" for other, path in conflicts if other == manager)
+        message = f"Apply failed with {len(conflicts)} conflicts: " + "\n".join(lines)
+    return ApiError(409, message, "Conflict", {"causes": causes})
 
 
 def for_code(code: int, message: str) -> ApiError:

@@ -8,7 +8,8 @@ group-version. From the PATCH operation of a kind's path it learns two things:
   by kube-apiserver, not here) for client-side validation;
 * ``application/strategic-merge-patch+json`` is *not* among the request bodies, so kubectl
   computes strategic merge patches for built-in kinds from its own Go types and plain
-  merge patches for custom resources, exactly as with a server it has no schema for.
+  merge patches for custom resources, exactly as with a server it has no schema for;
+  ``application/apply-patch+yaml`` is (``kubectl apply --server-side``).
 
 Component schemas carry each kind's ``x-kubernetes-group-version-kind`` (a CRD version's
 ``openAPIV3Schema`` for custom kinds; any object for built-ins).
@@ -21,7 +22,7 @@ import json
 from typing import Any
 
 from kopf_reconcile.testing.cluster.discovery import EMULATED_VERSION
-from kopf_reconcile.testing.cluster.patching import JSON_PATCH, MERGE_PATCH
+from kopf_reconcile.testing.cluster.patching import APPLY_PATCH, JSON_PATCH, MERGE_PATCH
 from kopf_reconcile.testing.cluster.resources import ResourceRegistry, ResourceType
 
 
@@ -50,6 +51,7 @@ def _patch_path(resource: ResourceType, schema_ref: dict[str, str]) -> dict[str,
         {"name": "dryRun", "in": "query", "schema": {"type": "string"}},
         {"name": "fieldManager", "in": "query", "schema": {"type": "string"}},
         {"name": "fieldValidation", "in": "query", "schema": {"type": "string"}},
+        {"name": "force", "in": "query", "schema": {"type": "boolean"}},
     ]
     if resource.namespaced:
         parameters.insert(
@@ -62,7 +64,10 @@ def _patch_path(resource: ResourceType, schema_ref: dict[str, str]) -> dict[str,
             "x-kubernetes-action": "patch",
             "x-kubernetes-group-version-kind": gvk,
             "parameters": parameters,  # kubectl reads them from the operation itself
-            "requestBody": {"content": {JSON_PATCH: body, MERGE_PATCH: body}, "required": True},
+            "requestBody": {
+                "content": {JSON_PATCH: body, MERGE_PATCH: body, APPLY_PATCH: body},
+                "required": True,
+            },
             "responses": {
                 "200": {
                     "description": "OK",

@@ -73,7 +73,7 @@ def _apply_operation(document: Any, operation: dict[str, Any]) -> Any:
         raise PatchFailed(f"operation {op!r} is missing a path")
     if op == "test":
         actual = _get(document, _parse_pointer(path), path)
-        if not _json_equal(actual, operation.get("value")):
+        if not json_equal(actual, operation.get("value")):
             raise PatchFailed(f"testing value {path} failed: test failed")
         return document
     if op == "remove":
@@ -166,14 +166,14 @@ def _remove(document: Any, tokens: list[str], path: str) -> Any:
     return document
 
 
-def _json_equal(left: Any, right: Any) -> bool:
+def json_equal(left: Any, right: Any) -> bool:
     """Equality of JSON values: unlike Python's ==, ``true`` is not ``1``."""
     if isinstance(left, bool) or isinstance(right, bool):
         return type(left) is type(right) and left == right
     if isinstance(left, dict) and isinstance(right, dict):
-        return left.keys() == right.keys() and all(_json_equal(left[k], right[k]) for k in left)
+        return left.keys() == right.keys() and all(json_equal(left[k], right[k]) for k in left)
     if isinstance(left, list) and isinstance(right, list):
-        return len(left) == len(right) and all(map(_json_equal, left, right))
+        return len(left) == len(right) and all(map(json_equal, left, right))
     if isinstance(left, int | float) and isinstance(right, int | float):
         return left == right
     return type(left) is type(right) and left == right

@@ -58,10 +58,15 @@ class ResourceType:
     tracks_generation: bool = False
     #: PUT of a missing object creates it (true for Leases and Events in kube-apiserver).
     create_on_update: bool = False
+    #: PUT of an existing object may omit ``metadata.resourceVersion`` (kube-apiserver's
+    #: ``AllowUnconditionalUpdate``: ConfigMaps, Secrets, Events and Namespaces allow it;
+    #: Leases, CRDs and custom resources answer 422 without it).
+    unconditional_update: bool = False
     #: Served from a CustomResourceDefinition (unstructured objects, schema-validated).
     custom: bool = False
     schema: StructuralSchema | None = field(default=None, compare=False)
     printer_columns: tuple[PrinterColumn, ...] = ()
+    #: The version objects are stored as: it names the ``storageVersionHash`` in discovery.
     storage_version: str = ""
 
     @property
@@ -114,71 +119,82 @@ def _storage_hash(resource: ResourceType) -> str:
     return base64.b64encode(hashlib.sha256(seed).digest()[:8]).decode()
 
 
+def _lease(version: str) -> ResourceType:
+    return ResourceType(
+        group="coordination.k8s.io",
+        version=version,
+        plural="leases",
+        singular="",
+        kind="Lease",
+        namespaced=True,
+        create_on_update=True,
+        storage_version="v1beta1",  # v1.20 still stores Leases as v1beta1
+    )
+
+
+#: The built-in kinds. As in kube-apiserver v1.20, their ``singularName`` is empty (clients
+#: derive it from the kind) and their storage versions name the ``storageVersionHash``.
 BUILTIN_TYPES: tuple[ResourceType, ...] = (
     ResourceType(
         group="",
         version="v1",
         plural="namespaces",
-        singular="namespace",
+        singular="",
         kind="Namespace",
         namespaced=False,
         short_names=("ns",),
         verbs=("create", "delete", "get", "list", "patch", "update", "watch"),
         status_subresource=True,
+        unconditional_update=True,
         storage_version="v1",
     ),
     ResourceType(
         group="",
         version="v1",
         plural="events",
-        singular="event",
+        singular="",
         kind="Event",
         namespaced=True,
         short_names=("ev",),
         create_on_update=True,
+        unconditional_update=True,
         storage_version="v1",
     ),
     ResourceType(
         group="",
         version="v1",
         plural="configmaps",
-        singular="configmap",
+        singular="",
         kind="ConfigMap",
         namespaced=True,
         short_names=("cm",),
+        unconditional_update=True,
         storage_version="v1",
     ),
     ResourceType(
         group="",
         version="v1",
         plural="secrets",
-        singular="secret",
+        singular="",
         kind="Secret",
         namespaced=True,
+        unconditional_update=True,
         storage_version="v1",
     ),
-    ResourceType(
-        group="coordination.k8s.io",
-        version="v1",
-        plural="leases",
-        singular="lease",
-        kind="Lease",
-        namespaced=True,
-        create_on_update=True,
-        storage_version="v1",
-    ),
+    _lease("v1"),
+    _lease("v1beta1"),  # the same objects, the same schema
     ResourceType(
         group="apiextensions.k8s.io",
         version="v1",
         plural="customresourcedefinitions",
-        singular="customresourcedefinition",
+        singular="",
         kind="CustomResourceDefinition",
         namespaced=False,
         short_names=("crd", "crds"),
         categories=("api-extensions",),
         status_subresource=True,
         tracks_generation=True,
-        storage_version="v1",
+        storage_version="v1beta1",  # v1.20 still stores CRDs as v1beta1
     ),
 )
 
@@ -199,15 +215,12 @@ class ResourceRegistry:
         return iter(self._types.values())
 
     def group_versions(self) -> dict[str, list[str]]:
-        """Each group's served versions, the preferred (storage or first built-in) one first."""
+        """Each group's served versions (discovery orders them by version priority)."""
         versions: dict[str, list[str]] = {}
         for resource in self._types.values():
             known = versions.setdefault(resource.group, [])
             if resource.version not in known:
-                if resource.version == resource.storage_version:
-                    known.insert(0, resource.version)
-                else:
-                    known.append(resource.version)
+                known.append(resource.version)
         return versions
 
     def in_group_version(self, group: str, version: str) -> list[ResourceType]:

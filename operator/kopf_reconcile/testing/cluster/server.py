@@ -2,9 +2,17 @@
 
 Routing follows kube-apiserver's paths (``/api/v1/...``, ``/apis/<group>/<version>/...``,
 ``/namespaces/<ns>/`` for namespaced resources, ``/<name>/status`` for the status
-subresource); query parameters are those clients send (``watch``, ``resourceVersion``,
-``labelSelector``, ``fieldSelector``, ``limit``, ``continue``, ``timeoutSeconds``,
-``allowWatchBookmarks``, ``dryRun``). Watches stream newline-delimited JSON events.
+subresource; a group it does not serve is no API path at all: a plain-text 404); query
+parameters are those clients send (``watch``, ``resourceVersion``,
+``resourceVersionMatch``, ``labelSelector``, ``fieldSelector``, ``limit``, ``continue``,
+``timeoutSeconds``, ``allowWatchBookmarks``, ``dryRun``, ``fieldValidation``,
+``fieldManager``, ``force``). Watches stream newline-delimited JSON events.
+
+Reads at a ``resourceVersion`` behave as kube-apiserver v1.20's: a list or get at a version
+the store has not reached waits up to 3 s for it, then answers 504 (clients retry); an exact
+list (``resourceVersionMatch=Exact``, or a ``limit`` with a ``resourceVersion`` and no match
+rule) and every page after the first (its ``continue`` token) read the state at their
+version, rewound from the change history (410 once that version left it).
 
 Everything under ``/_embedded/`` is the admin API of the embedded cluster itself (faults,
 watch cuts, internal sizes); it is never subject to injected faults:
@@ -40,6 +48,15 @@ from kopf_reconcile.testing.cluster.resources import ResourceType
 from kopf_reconcile.testing.cluster.store import Object, Watcher, WatchEvent
 
 ADMIN_PREFIX = "/_embedded/"
+
+#: How long a read waits for a resourceVersion the store has not reached (the watch cache's 3 s).
+FRESHNESS_WAIT = 3.0
+
+LIST_EXPIRED = "The resourceVersion for the provided list is too old."
+CONTINUE_EXPIRED = (
+    "The provided continue parameter is too old to display a consistent list result. "
+    "You can start a new list without the continue parameter."
+)
 
 #: Subresources of a core namespace; anything else after ``/namespaces/<ns>/`` is a resource.
 _NAMESPACE_SUBRESOURCES = frozenset({"status", "finalize"})
@@ -104,14 +121,16 @@ class ApiServer:
         self.app.router.add_get("/readyz", self._ok)
         self.app.router.add_get("/api", self._core_versions)
         self.app.router.add_get("/api/", self._core_versions)
-        self.app.router.add_get("/apis", self._groups)
-        self.app.router.add_get("/apis/", self._groups)
+        # kube-apiserver answers these two whatever the method (other discovery paths: 405).
+        self.app.router.add_route("*", "/apis", self._groups)
+        self.app.router.add_route("*", "/apis/", self._groups)
         self.app.router.add_get("/openapi/v2", self._openapi_v2)
         self.app.router.add_get("/openapi/v3", self._openapi_v3_index)
         self.app.router.add_get("/openapi/v3/{path:.+}", self._openapi_v3)
-        self.app.router.add_get("/api/{version}", self._core_resources)
-        self.app.router.add_get("/apis/{group}", self._group)
-        self.app.router.add_get("/apis/{group}/{version}", self._group_resources)
+        for slash in ("", "/"):
+            self.app.router.add_get("/api/{version}" + slash, self._core_resources)
+            self.app.router.add_route("*", "/apis/{group}" + slash, self._group)
+            self.app.router.add_route("*", "/apis/{group}/{version}" + slash, self._group_resources)
         self.app.router.add_route("*", "/api/{version}/{tail:.+}", self._resource_request)
         self.app.router.add_route("*", "/apis/{group}/{version}/{tail:.+}", self._resource_request)
         self.app.router.add_route("*", ADMIN_PREFIX + "faults", self._admin_faults)
@@ -138,6 +157,10 @@ class ApiServer:
             return await handler(request)
         except errors.ApiError as error:
             return error_response(error)
+        except web.HTTPNotFound:
+            raise _no_such_path() from None  # also where no route matches, in the same words
+        except web.HTTPMethodNotAllowed:
+            return error_response(errors.method_not_allowed())
 
     # Discovery and health.
 
@@ -156,13 +179,13 @@ class ApiServer:
     async def _group(self, request: web.Request) -> web.StreamResponse:
         document = discovery.group(self.api.registry, request.match_info["group"])
         if document is None:
-            raise web.HTTPNotFound(text="404 page not found")
+            raise _no_such_path()
         return json_response(document)
 
     async def _core_resources(self, request: web.Request) -> web.StreamResponse:
         document = discovery.resource_list(self.api.registry, "", request.match_info["version"])
         if document is None:
-            raise web.HTTPNotFound(text="404 page not found")
+            raise errors.resource_not_served()  # the core group always exists
         return json_response(document)
 
     async def _group_resources(self, request: web.Request) -> web.StreamResponse:
@@ -171,12 +194,14 @@ class ApiServer:
         if document is None and discovery.group(self.api.registry, info["group"]) is not None:
             raise errors.resource_not_served()  # a known group: a Status, not a plain 404
         if document is None:
-            raise web.HTTPNotFound(text="404 page not found")
+            raise _no_such_path()
+        if request.method != "GET":
+            raise errors.method_not_allowed()
         return json_response(document)
 
     async def _openapi_v2(self, request: web.Request) -> web.StreamResponse:
         # kube-apiserver serves v2 as protobuf to kubectl; clients fall back to v3 without it.
-        raise web.HTTPNotFound(text="404 page not found")
+        raise _no_such_path()
 
     async def _openapi_v3_index(self, request: web.Request) -> web.StreamResponse:
         return json_response(openapi.index(self.api.registry))
@@ -184,7 +209,7 @@ class ApiServer:
     async def _openapi_v3(self, request: web.Request) -> web.StreamResponse:
         document = openapi.group_version_document(self.api.registry, request.match_info["path"])
         if document is None:
-            raise web.HTTPNotFound(text="404 page not found")
+            raise _no_such_path()
         return json_response(document)
 
     # Resources.
@@ -201,13 +226,17 @@ class ApiServer:
             and not (not group and segments[2] in _NAMESPACE_SUBRESOURCES)
         ):
             namespace, segments = segments[1], segments[2:]
-        if len(segments) > 3 or not all(segments):
-            raise errors.resource_not_served()
         plural, name, subresource = [*segments, "", ""][:3]
         resource = self.api.registry.get(group, version, plural)
-        if resource is None or (namespace is not None and not resource.namespaced):
-            raise errors.resource_not_served()
-        if subresource and not (subresource == "status" and resource.status_subresource):
+        if resource is None and discovery.group(self.api.registry, group) is None and group:
+            raise _no_such_path()  # no such API path at all
+        if (
+            resource is None
+            or len(segments) > 3
+            or not all(segments)
+            or (namespace is not None and not resource.namespaced)
+            or (subresource and not (subresource == "status" and resource.status_subresource))
+        ):
             raise errors.resource_not_served()
         return Address(resource, namespace, name, subresource)
 
@@ -224,8 +253,9 @@ class ApiServer:
             _check_list_options(request)
             if _flag(request.query.get("watch")):
                 return await self._watch(request, resource, address.namespace)
-            return self._list(request, resource, address.namespace)
+            return await self._list(request, resource, address.namespace)
         if method == "GET":
+            await self._wait_for(_resource_version(request))
             obj = self.api.get(resource, namespace, name)
             if tables.wants_table(request.headers.get("Accept", "")):
                 metadata = {"resourceVersion": obj["metadata"]["resourceVersion"]}
@@ -242,7 +272,21 @@ class ApiServer:
                 resource, namespace, name, body, subresource=address.subresource, options=options
             )
             return _written(resource, replaced, options, status=201 if was_created else 200)
+        if method == "PATCH" and name and request.content_type == patching.APPLY_PATCH:
+            _check_patch_options(request)
+            applied, was_created = self.api.apply(
+                resource,
+                namespace,
+                name,
+                await _read_yaml(request),
+                manager=request.query["fieldManager"],
+                force=_flag(request.query.get("force")),
+                subresource=address.subresource,
+                options=options,
+            )
+            return _written(resource, applied, options, status=201 if was_created else 200)
         if method == "PATCH" and name:
+            _check_patch_options(request)
             content_type = request.content_type
             readable = content_type in (
                 patching.MERGE_PATCH,
@@ -286,19 +330,38 @@ class ApiServer:
             checks.insert(0, lambda obj: obj["metadata"].get("namespace") == namespace)
         return lambda obj: all(check(obj) for check in checks)
 
-    def _list(
+    async def _wait_for(self, revision: int) -> None:
+        """Wait until the store has reached ``revision`` (0: any), or answer 504."""
+        store = self.api.store
+        if revision and not await store.wait_for_revision(revision, FRESHNESS_WAIT):
+            raise errors.too_large_resource_version(revision, store.revision)
+
+    async def _list(
         self, request: web.Request, resource: ResourceType, namespace: str | None
     ) -> web.StreamResponse:
         matches = self._filters(request, resource, namespace)
-        items, revision = self.api.list_objects(resource, namespace)
-        items = [obj for obj in items if matches(obj)]
-        metadata: dict[str, Any] = {"resourceVersion": str(revision)}
-        token = request.query.get("continue")
-        if token:
-            revision, start_after = _decode_continue(token)
-            metadata["resourceVersion"] = str(revision)
-            items = [obj for obj in items if _sort_key(obj) > start_after]
+        requested = _resource_version(request)
         limit = _non_negative_int(request.query.get("limit", "0"), "limit")
+        token = request.query.get("continue")
+        # A limit with a resourceVersion and no match rule is exact too (the legacy form).
+        match = request.query.get("resourceVersionMatch", "")
+        exact = match == "Exact" or (limit > 0 and not match)
+        start_after = ""
+        if token:
+            if request.query.get("resourceVersion"):
+                raise errors.bad_request(
+                    "specifying resource version is not allowed when using continue"
+                )
+            revision, start_after = _decode_continue(token)
+            items = self._items_at(resource, namespace, revision, CONTINUE_EXPIRED)
+        elif requested and exact:
+            items = self._items_at(resource, namespace, requested, LIST_EXPIRED)
+            revision = requested
+        else:
+            await self._wait_for(requested)
+            items, revision = self.api.list_objects(resource, namespace)
+        items = [obj for obj in items if matches(obj) and _sort_key(obj) > start_after]
+        metadata: dict[str, Any] = {"resourceVersion": str(revision)}
         if limit and len(items) > limit:
             metadata["continue"] = _encode_continue(revision, _sort_key(items[limit - 1]))
             metadata["remainingItemCount"] = len(items) - limit
@@ -314,6 +377,17 @@ class ApiServer:
             "items": [_as_list_item(resource, obj) for obj in items],
         }
         return json_response(document)
+
+    def _items_at(
+        self, resource: ResourceType, namespace: str | None, revision: int, too_old: str
+    ) -> list[Object]:
+        store = self.api.store
+        if revision > store.revision:  # etcd's own words, passed through by kube-apiserver
+            raise errors.storage_error("etcdserver: mvcc: required revision is a future revision")
+        items = store.items_at(resource.storage_key, namespace, revision)
+        if items is None:
+            raise errors.expired(too_old)
+        return items
 
     def _delete_collection(
         self, request: web.Request, resource: ResourceType, namespace: str, *, dry_run: bool
@@ -342,8 +416,7 @@ class ApiServer:
         self, request: web.Request, resource: ResourceType, namespace: str | None
     ) -> web.StreamResponse:
         matches = self._filters(request, resource, namespace)
-        requested = request.query.get("resourceVersion", "")
-        since = None if requested in ("", "0") else _non_negative_int(requested, "resourceVersion")
+        since = _resource_version(request) or None
         timeout = float(
             _non_negative_int(request.query.get("timeoutSeconds", "0"), "timeoutSeconds")
         )
@@ -485,6 +558,11 @@ class ApiServer:
 # Helpers: request decoding and response shaping.
 
 
+def _no_such_path() -> web.HTTPNotFound:
+    """What kube-apiserver answers for a path outside its API: plain text, not a Status."""
+    return web.HTTPNotFound(text="404 page not found\n")
+
+
 def _flag(value: str | None) -> bool:
     return value is not None and value.lower() in ("true", "1")
 
@@ -497,6 +575,39 @@ def _non_negative_int(value: str, name: str) -> int:
     if number < 0:
         raise errors.bad_request(f"invalid {name}: {value!r}")
     return number
+
+
+def _resource_version(request: web.Request) -> int:
+    """The ``resourceVersion`` parameter; 0 when absent or ``0`` (any state will do)."""
+    raw = request.query.get("resourceVersion", "")
+    if not raw:
+        return 0
+    if not raw.isascii() or not raw.isdigit():
+        quoted = json.dumps(raw)
+        raise errors.storage_error(
+            f"resourceVersion: Invalid value: {quoted}: strconv.ParseUint: parsing {quoted}: "
+            "invalid syntax"
+        )
+    return int(raw)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML read as Kubernetes reads it (converted to JSON): timestamps stay strings."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+async def _read_yaml(request: web.Request) -> Any:
+    try:
+        return yaml.load(await request.read(), Loader=_YamlLoader)  # a SafeLoader subclass
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise errors.bad_request(
+            f"error decoding YAML: error converting YAML to JSON: {exc}"
+        ) from None
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -512,7 +623,7 @@ async def _read_body(request: web.Request) -> Any:
     content_type = request.content_type
     try:
         if content_type in ("application/yaml", "application/x-yaml"):
-            return yaml.safe_load(raw)
+            return yaml.load(raw, Loader=_YamlLoader)  # a SafeLoader subclass
         if content_type in ("application/json", "application/octet-stream", ""):
             return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
@@ -545,15 +656,40 @@ def _check_list_options(request: web.Request) -> None:
                 "resourceVersionMatch is forbidden unless resourceVersion is provided",
             )
         )
+    if request.query.get("continue"):
+        problems.append(
+            errors.FieldError.forbidden(
+                "resourceVersionMatch",
+                "resourceVersionMatch is forbidden when continue is provided",
+            )
+        )
     if match not in ("NotOlderThan", "Exact"):
         problems.append(
             errors.FieldError.not_supported(
-                "resourceVersionMatch", match, ("Exact", "NotOlderThan")
+                "resourceVersionMatch", match, ("Exact", "NotOlderThan", "")
+            )
+        )
+    if match == "Exact" and request.query.get("resourceVersion") == "0":
+        problems.append(
+            errors.FieldError.forbidden(
+                "resourceVersionMatch",
+                'resourceVersionMatch "exact" is forbidden for resourceVersion "0"',
             )
         )
     if problems:
-        options = errors.Target(group="meta.k8s.io", plural="", kind="ListOptions", name="")
-        raise errors.invalid(options, problems)
+        raise errors.invalid_options("ListOptions", problems)
+
+
+def _check_patch_options(request: web.Request) -> None:
+    """kube-apiserver's PatchOptions rules: apply needs a field manager, ``force`` is for
+    apply only."""
+    problem = None
+    if request.content_type == patching.APPLY_PATCH and not request.query.get("fieldManager"):
+        problem = errors.FieldError.required("fieldManager", "is required for apply patch")
+    elif request.content_type != patching.APPLY_PATCH and "force" in request.query:
+        problem = errors.FieldError.forbidden("force", "may not be specified for non-apply patch")
+    if problem is not None:
+        raise errors.invalid_options("PatchOptions", [problem])
 
 
 def _write_options(request: web.Request) -> WriteOptions:

@@ -2,11 +2,12 @@
 
 Like etcd behind kube-apiserver, every write takes the next value of one cluster-wide
 revision counter, which becomes the object's ``metadata.resourceVersion``. Each write is
-also appended to a history of changes that watches replay from a given resourceVersion.
-The history is a window of the last ``history_size`` changes: a watch asking for a
-resourceVersion older than the window is told it expired (410), as a compacted etcd does.
-Memory is therefore bounded by the live objects plus the window, however many requests
-are served.
+also appended to a history of changes that watches replay from a given resourceVersion
+(from the very first write, as a fresh etcd does) and that exact reads of a past revision
+rewind (a list at ``resourceVersionMatch=Exact``, a ``continue`` token's snapshot). The
+history is a window of the last ``history_size`` changes: a revision older than the window
+is told it expired (410), as a compacted etcd does. Memory is therefore bounded by the live
+objects plus the window, however many requests are served.
 
 Stored objects are never mutated: every write stores a new dict, so the history and open
 watches can hold references without copying.
@@ -54,16 +55,17 @@ class Watcher:
     also terminates watchers that fall too far behind), which keeps memory bounded.
     """
 
-    def __init__(self, key: StorageKey, matches: Predicate, limit: int) -> None:
+    def __init__(self, key: StorageKey, matches: Predicate, limit: int, after: int) -> None:
         self.key = key
         self._matches = matches
         self._limit = limit
+        self._after = after  # changes up to this revision were asked not to be sent
         self._pending: deque[WatchEvent] = deque()
         self._wakeup = asyncio.Event()
         self.closed = False
 
     def offer(self, change: Change) -> None:
-        if self.closed:
+        if self.closed or change.revision <= self._after:
             return
         event = self.as_seen(change)
         if event is None:
@@ -119,6 +121,7 @@ class Store:
         self._history_floor = 0  # the oldest revision a watch may still resume from
         self._watchers: dict[StorageKey, set[Watcher]] = {}
         self._watch_queue_size = watch_queue_size
+        self._advanced: asyncio.Event | None = None  # set by the next write, for waiters
 
     # Reading.
 
@@ -144,6 +147,44 @@ class Store:
 
     def namespace_is_empty(self, namespace: str) -> bool:
         return not any(k[0] == namespace for bucket in self._objects.values() for k in bucket)
+
+    def items_at(
+        self, key: StorageKey, namespace: str | None, revision: int
+    ) -> list[Object] | None:
+        """The objects of a resource as they were at ``revision``; None if the window lost it.
+
+        The current objects with every recorded change after ``revision`` undone, newest
+        first: what etcd answers for a read at that revision.
+        """
+        if revision < self._history_floor or revision > self.revision:
+            return None
+        state = dict(self._objects.get(key, {}))
+        for change in reversed(self._history):
+            if change.revision <= revision:
+                break
+            if change.key != key:
+                continue
+            meta = change.object["metadata"]
+            where = (meta.get("namespace", ""), meta["name"])
+            if change.previous is None:
+                state.pop(where, None)
+            else:
+                state[where] = change.previous
+        return [state[k] for k in sorted(state) if namespace is None or k[0] == namespace]
+
+    async def wait_for_revision(self, revision: int, timeout: float) -> bool:
+        """Wait until the store has reached ``revision``; False if it has not after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.revision < revision:
+            if self._advanced is None:
+                self._advanced = asyncio.Event()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._advanced.wait()
+            except TimeoutError:
+                return self.revision >= revision
+        return True
 
     # Writing: each write takes the next revision and is recorded for watches.
 
@@ -174,15 +215,13 @@ class Store:
         if len(self._history) == self._history.maxlen:
             self._history_floor = self._history[0].revision
         self._history.append(change)
+        if self._advanced is not None:
+            self._advanced.set()
+            self._advanced = None
         for watcher in tuple(self._watchers.get(change.key, ())):
             watcher.offer(change)
             if watcher.closed:
                 self.unwatch(watcher)
-
-    def mark_history_start(self) -> None:
-        """Make the current revision the oldest one a watch can resume from (used at boot)."""
-        self._history.clear()
-        self._history_floor = self.revision
 
     # Watching.
 
@@ -195,7 +234,7 @@ class Store:
         between reading the history and registering, so no change can fall in between.
         """
         replay: list[WatchEvent] = []
-        watcher = Watcher(key, matches, self._watch_queue_size)
+        watcher = Watcher(key, matches, self._watch_queue_size, since or 0)
         if since is not None:
             if since < self._history_floor:
                 raise errors.expired(f"too old resource version: {since} ({self._history_floor})")

@@ -241,7 +241,20 @@ def _decode_secret(body: Object) -> Object:
     return decoded
 
 
+def _decode_event(body: Object) -> Object:
+    decoded = dict(body)
+    if body.get("eventTime") is not None:
+        decoded["eventTime"] = _micro_time(body["eventTime"], "Event", "eventTime")
+    if body.get("count") is not None:
+        _int32(body["count"], "Event", "count")
+    involved = body.get("involvedObject")
+    if involved is not None and not isinstance(involved, dict):
+        raise _mismatch(involved, "Event", "involvedObject", "v1.ObjectReference")
+    return decoded
+
+
 _DECODERS: dict[str, Callable[[Object], Object]] = {
+    "Event": _decode_event,
     "Lease": _decode_lease,
     "Namespace": _decode_namespace,
     "ConfigMap": _decode_config_map,
@@ -357,12 +370,19 @@ def validate_name(name: str, *, label: bool) -> list[FieldError]:
     return problems
 
 
-def _validate_qualified_key(key: str, field: str) -> list[FieldError]:
+def _validate_qualified_name(key: str, field: str) -> list[FieldError]:
+    """Go's ``IsQualifiedName``: an optional DNS subdomain prefix and a name part."""
     prefix, _, name = key.rpartition("/")
     problems: list[FieldError] = []
     if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
         problems.append(FieldError.invalid(field, key, "prefix part " + DNS_SUBDOMAIN_MESSAGE))
-    if not name or len(name) > 63 or not _QUALIFIED_NAME_PART.fullmatch(name):
+    if not name:
+        problems.append(FieldError.invalid(field, key, "name part must be non-empty"))
+    elif len(name) > 63:
+        problems.append(
+            FieldError.invalid(field, key, "name part must be no more than 63 characters")
+        )
+    if not _QUALIFIED_NAME_PART.fullmatch(name):
         problems.append(
             FieldError.invalid(
                 field,
@@ -385,7 +405,7 @@ def validate_metadata(resource: ResourceType, obj: Object) -> list[FieldError]:
     else:
         problems.extend(validate_name(name, label=resource.kind == "Namespace"))
     for key, value in (meta.get("labels") or {}).items():
-        problems.extend(_validate_qualified_key(key, "metadata.labels"))
+        problems.extend(_validate_qualified_name(key, "metadata.labels"))
         if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
             problems.append(
                 FieldError.invalid(
@@ -396,9 +416,9 @@ def validate_metadata(resource: ResourceType, obj: Object) -> list[FieldError]:
                 )
             )
     for key in meta.get("annotations") or {}:
-        problems.extend(_validate_qualified_key(key.lower(), "metadata.annotations"))
+        problems.extend(_validate_qualified_name(key.lower(), "metadata.annotations"))
     for finalizer in meta.get("finalizers") or []:
-        problems.extend(_validate_qualified_key(finalizer, "metadata.finalizers"))
+        problems.extend(_validate_qualified_name(finalizer, "metadata.finalizers"))
     return problems
 
 
@@ -420,7 +440,58 @@ def validate_lease(obj: Object) -> list[FieldError]:
     return problems
 
 
+#: Limits of the fields of a new-style core Event (one with an ``eventTime``).
+_EVENT_FIELD_LIMIT = 128
+_EVENT_MESSAGE_LIMIT = 1024
+
+
+def validate_event(obj: Object) -> list[FieldError]:
+    """kube-apiserver v1.20's rules for core v1 Events.
+
+    An old-style Event (no ``eventTime``, as kopf and client-go's recorder post) must be about
+    an object of its own namespace; without an ``involvedObject.namespace`` it may only live
+    in ``default``. A new-style Event also needs its reporting controller, instance, action
+    and reason.
+    """
+    namespace = obj["metadata"].get("namespace", "")
+    involved_namespace = (obj.get("involvedObject") or {}).get("namespace") or ""
+    mismatch = FieldError.invalid(
+        "involvedObject.namespace", involved_namespace, "does not match event.namespace"
+    )
+    if not obj.get("eventTime"):
+        if involved_namespace:
+            return [] if involved_namespace == namespace else [mismatch]
+        return [] if namespace in ("", "default") else [mismatch]
+    problems: list[FieldError] = []
+    if not involved_namespace and namespace != "kube-system":
+        problems.append(mismatch)
+    controller = obj.get("reportingComponent") or ""
+    if not controller:
+        problems.append(FieldError.required("reportingController"))
+    problems.extend(_validate_qualified_name(controller, "reportingController"))
+    instance = obj.get("reportingInstance") or ""
+    if not instance:
+        problems.append(FieldError.required("reportingInstance"))
+    elif len(instance) > _EVENT_FIELD_LIMIT:
+        problems.append(FieldError.invalid("reportingInstance", "", _at_most(_EVENT_FIELD_LIMIT)))
+    for field in ("action", "reason"):
+        value = obj.get(field) or ""
+        if not value:
+            problems.append(FieldError.required(field))
+        elif len(value) > _EVENT_FIELD_LIMIT:
+            problems.append(FieldError.invalid(field, "", _at_most(_EVENT_FIELD_LIMIT)))
+    if len(obj.get("message") or "") > _EVENT_MESSAGE_LIMIT:
+        problems.append(FieldError.invalid("message", "", _at_most(_EVENT_MESSAGE_LIMIT)))
+    return problems
+
+
+def _at_most(limit: int) -> str:
+    return f"can have at most {limit} characters"
+
+
 def validate_builtin(resource: ResourceType, obj: Object) -> list[FieldError]:
     if resource.kind == "Lease" and resource.group == "coordination.k8s.io":
         return validate_lease(obj)
+    if resource.kind == "Event" and not resource.group:
+        return validate_event(obj)
     return []
