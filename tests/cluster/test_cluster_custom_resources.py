@@ -30,6 +30,7 @@ async def test_crd_is_established_and_discoverable(
     names = {r["name"]: r for r in resources["resources"]}
     assert names["widgets"]["kind"] == "Widget"
     assert names["widgets"]["shortNames"] == ["wdg"]
+    assert names["widgets"]["singularName"] == "widget"
     assert "widgets/status" in names
 
 
@@ -182,3 +183,24 @@ async def test_crd_validation(http: aiohttp.ClientSession, unique: Callable[[str
     assert status["reason"] == "Invalid"
     assert status["details"]["kind"] == "CustomResourceDefinition"
     assert "metadata.name" in {c["field"] for c in status["details"]["causes"]}
+
+
+async def test_put_without_resource_version_is_invalid(
+    http: aiohttp.ClientSession, widgets: Widgets
+) -> None:
+    created = await (await http.post(widgets.url, json=widgets.body("w1", size=1))).json()
+    unconditional = {
+        **created,
+        "metadata": {k: v for k, v in created["metadata"].items() if k != "resourceVersion"},
+    }
+    for url in (f"{widgets.url}/w1", f"{widgets.url}/w1/status"):
+        response = await http.put(url, json=unconditional)
+        assert response.status == 422
+        status = await response.json()
+        assert status["message"] == (
+            f'widgets.{widgets.group} "w1" is invalid: metadata.resourceVersion: '
+            "Invalid value: 0x0: must be specified for an update"
+        )
+        assert status["details"]["kind"] == "widgets"
+        assert status["details"]["causes"][0]["field"] == "metadata.resourceVersion"
+    assert (await http.put(f"{widgets.url}/w1", json=created)).status == 200

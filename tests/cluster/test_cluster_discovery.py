@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 from kubernetes_asyncio import client
 
@@ -60,11 +62,55 @@ async def test_resource_lists(http: aiohttp.ClientSession) -> None:
 
 
 async def test_unknown_resource_is_not_found(http: aiohttp.ClientSession) -> None:
-    response = await http.get("/apis/coordination.k8s.io/v1/namespaces/default/nonexistents")
-    assert response.status == 404
+    for path in (
+        "/apis/coordination.k8s.io/v1/namespaces/default/nonexistents",
+        "/apis/coordination.k8s.io/v9/leases",
+        "/api/v9/namespaces",
+        "/api/v9",
+    ):
+        response = await http.get(path)
+        assert response.status == 404
+        status = await response.json()  # a known group: a Status
+        assert status["message"] == "the server could not find the requested resource"
+        assert status["reason"] == "NotFound"
 
 
-async def test_system_namespaces_exist(api_client: object) -> None:
+async def test_unknown_group_is_no_api_path(http: aiohttp.ClientSession) -> None:
+    for method in ("GET", "POST"):
+        for path in ("/apis/nope.example.com/v1/things", "/apis/nope.example.com"):
+            response = await http.request(method, path, json={})
+            assert response.status == 404
+            assert response.content_type == "text/plain"
+            assert await response.text() == "404 page not found\n"
+
+
+async def test_leases_are_served_as_v1beta1_too(
+    http: aiohttp.ClientSession, kube_namespace: str
+) -> None:
+    group = await (await http.get("/apis/coordination.k8s.io")).json()
+    assert [v["version"] for v in group["versions"]] == ["v1", "v1beta1"]
+    assert group["preferredVersion"]["version"] == "v1"
+    hashes = set()
+    for version in ("v1", "v1beta1"):
+        resources = await (await http.get(f"/apis/coordination.k8s.io/{version}")).json()
+        lease = next(r for r in resources["resources"] if r["name"] == "leases")
+        hashes.add(lease["storageVersionHash"])
+    assert hashes == {"/sY7hl8ol1U="}  # v1.20 stores Leases as v1beta1
+
+    url = f"/apis/coordination.k8s.io/v1/namespaces/{kube_namespace}/leases"
+    await http.post(url, json={"metadata": {"name": "both"}, "spec": {"holderIdentity": "a"}})
+    old = await (await http.get(url.replace("/v1/", "/v1beta1/") + "/both")).json()
+    assert old["apiVersion"] == "coordination.k8s.io/v1beta1"
+    assert old["spec"] == {"holderIdentity": "a"}
+
+
+async def test_built_in_kinds_have_no_singular_name(http: aiohttp.ClientSession) -> None:
+    for path in ("/api/v1", "/apis/coordination.k8s.io/v1", "/apis/apiextensions.k8s.io/v1"):
+        resources = (await (await http.get(path)).json())["resources"]
+        assert {r["singularName"] for r in resources} == {""}
+
+
+async def test_system_namespaces_exist(api_client: Any) -> None:
     core = client.CoreV1Api(api_client)
     namespaces = await core.list_namespace()
     names = {ns.metadata.name for ns in namespaces.items}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import aiohttp
 import pytest
@@ -116,11 +117,12 @@ async def test_field_validation_strict_and_warn(embedded_cluster: EmbeddedCluste
         assert (await response.json())["spec"] == {"holderIdentity": "x"}
 
 
-async def test_namespace_goes_once_its_objects_are_finalized(
-    embedded_cluster: EmbeddedCluster,
-) -> None:
+async def test_deleted_namespace_is_emptied_after_the_controller_delay() -> None:
     # A real v1.20 needs kube-controller-manager for this; the embedded cluster does it itself.
-    async with embedded_cluster.http_session() as http:
+    async with (
+        EmbeddedCluster(namespace_termination_delay=0.2) as cluster,
+        cluster.http_session() as http,
+    ):
         await http.post("/api/v1/namespaces", json={"metadata": {"name": "doomed"}})
         url = "/apis/coordination.k8s.io/v1/namespaces/doomed/leases"
         await http.post(url, json={"metadata": {"name": "plain"}})
@@ -128,7 +130,12 @@ async def test_namespace_goes_once_its_objects_are_finalized(
             url, json={"metadata": {"name": "held", "finalizers": ["example.com/hold"]}}
         )
         await http.delete("/api/v1/namespaces/doomed")
-        assert (await http.get(f"{url}/plain")).status == 404
+        assert (await http.get(f"{url}/plain")).status == 200  # the controller has not run yet
+
+        async def plain_gone() -> bool:
+            return (await http.get(f"{url}/plain")).status == 404
+
+        await eventually(plain_gone, message="the namespace controller deleted the content")
         held = await (await http.get(f"{url}/held")).json()
         assert held["metadata"]["deletionTimestamp"]
         assert (await http.get("/api/v1/namespaces/doomed")).status == 200
@@ -137,3 +144,55 @@ async def test_namespace_goes_once_its_objects_are_finalized(
         headers = {"Content-Type": "application/merge-patch+json"}
         assert (await http.patch(f"{url}/held", json=patch, headers=headers)).status == 200
         assert (await http.get("/api/v1/namespaces/doomed")).status == 404
+
+
+async def test_namespace_termination_delay_zero_empties_at_once() -> None:
+    async with (
+        EmbeddedCluster(namespace_termination_delay=0) as cluster,
+        cluster.http_session() as http,
+    ):
+        await http.post("/api/v1/namespaces", json={"metadata": {"name": "doomed"}})
+        url = "/apis/coordination.k8s.io/v1/namespaces/doomed/leases"
+        await http.post(url, json={"metadata": {"name": "plain"}})
+        deleted = await http.delete("/api/v1/namespaces/doomed")
+        assert (await deleted.json())["status"]["phase"] == "Terminating"
+        assert (await http.get("/api/v1/namespaces/doomed")).status == 404
+
+
+async def test_a_fresh_cluster_replays_from_its_first_version() -> None:
+    # As a fresh kube-apiserver does (its watch cache holds every change since it started).
+    async with EmbeddedCluster() as cluster, cluster.http_session() as http:
+        params = {"watch": "true", "resourceVersion": "1"}
+        received: list[dict[str, Any]] = []
+        async with asyncio.timeout(5), http.get("/api/v1/namespaces", params=params) as response:
+            while len(received) < 3:
+                received.append(json.loads(await response.content.readline()))
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in received] == [
+        ("ADDED", "kube-system"),
+        ("ADDED", "kube-public"),
+        ("ADDED", "kube-node-lease"),
+    ]
+
+
+async def test_reads_older_than_the_history_window_are_expired() -> None:
+    async with EmbeddedCluster(history_size=5) as cluster, cluster.http_session() as http:
+        first = await (await http.post(LEASES, json={"metadata": {"name": "first"}})).json()
+        await http.post(LEASES, json={"metadata": {"name": "second"}})
+        page = await (await http.get(LEASES, params={"limit": "1"})).json()
+        for index in range(6):  # one more than the window holds
+            await http.post(LEASES, json={"metadata": {"name": f"l{index}"}})
+
+        exact = {"resourceVersion": first["metadata"]["resourceVersion"], "limit": "10"}
+        response = await http.get(LEASES, params=exact)
+        assert response.status == 410
+        status = await response.json()
+        assert status["reason"] == "Expired"
+        assert status["message"] == "The resourceVersion for the provided list is too old."
+
+        response = await http.get(
+            LEASES, params={"limit": "1", "continue": page["metadata"]["continue"]}
+        )
+        assert response.status == 410
+        assert (await response.json())["message"].startswith(
+            "The provided continue parameter is too old"
+        )

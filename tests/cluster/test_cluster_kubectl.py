@@ -108,6 +108,48 @@ async def test_apply_replace_delete_lease(
     assert (await http.get(url)).status == 404
 
 
+async def test_server_side_apply(
+    kube: Any,
+    http: aiohttp.ClientSession,
+    kube_namespace: str,
+    tmp_path: Path,
+    unique: Callable[[str], str],
+) -> None:
+    name = unique("lease")
+    url = f"/apis/coordination.k8s.io/v1/namespaces/{kube_namespace}/leases/{name}"
+    for step, holder in enumerate(("one", "two")):
+        path = manifest(tmp_path, f"ssa{step}", lease(kube_namespace, name, holder))
+        output = await kubectl(kube, "apply", "--server-side", "-f", path)
+        assert "serverside-applied" in output
+    applied = await (await http.get(url)).json()
+    assert applied["spec"]["holderIdentity"] == "two"
+    managers = {(e["manager"], e["operation"]) for e in applied["metadata"]["managedFields"]}
+    assert ("kubectl", "Apply") in managers
+
+    # Another manager changing a field kubectl applied must force its way.
+    taken = lease(kube_namespace, name, "three")
+    path = manifest(tmp_path, "ssa-other", taken)
+    process = await asyncio.create_subprocess_exec(
+        str(KUBECTL),
+        "--kubeconfig",
+        kube.kubeconfig,
+        "apply",
+        "--server-side",
+        "--field-manager=other",
+        "-f",
+        path,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, stderr = await process.communicate()
+    assert process.returncode != 0
+    assert "conflict" in stderr.decode().lower()
+    await kubectl(
+        kube, "apply", "--server-side", "--field-manager=other", "--force-conflicts", "-f", path
+    )
+    assert (await (await http.get(url)).json())["spec"]["holderIdentity"] == "three"
+
+
 async def test_apply_a_crd_and_its_object(
     kube: Any, http: aiohttp.ClientSession, kube_namespace: str, tmp_path: Path
 ) -> None:

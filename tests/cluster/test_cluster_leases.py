@@ -14,7 +14,8 @@ LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 MICRO = "2024-05-06T07:08:09.123456Z"
 
 
-def lease_body(name: str, **spec: Any) -> dict[str, Any]:
+def lease_body(name: str, **spec: Any) -> Any:
+    """A Lease as a plain document (the client sends it as it is, MicroTimes as written)."""
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
@@ -98,6 +99,59 @@ async def test_stale_resource_version_conflicts(
     assert (await response.json())["reason"] == "Conflict"
 
 
+@pytest.mark.parametrize("version", [None, ""])
+async def test_put_without_resource_version_is_invalid(
+    http: aiohttp.ClientSession, unique: Callable[[str], str], version: str | None
+) -> None:
+    # Leases forbid unconditional updates (ConfigMaps allow them, see below).
+    name = unique("lease")
+    created = await (await http.post(LEASES, json=lease_body(name, holderIdentity="a"))).json()
+    metadata = {k: v for k, v in created["metadata"].items() if k != "resourceVersion"}
+    if version is not None:
+        metadata["resourceVersion"] = version
+    response = await http.put(
+        f"{LEASES}/{name}", json={**created, "metadata": metadata, "spec": {"holderIdentity": "b"}}
+    )
+    assert response.status == 422
+    assert await response.json() == {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": f'leases.coordination.k8s.io "{name}" is invalid: metadata.resourceVersion: '
+        "Invalid value: 0x0: must be specified for an update",
+        "reason": "Invalid",
+        "details": {
+            "name": name,
+            "group": "coordination.k8s.io",
+            "kind": "leases",
+            "causes": [
+                {
+                    "reason": "FieldValueInvalid",
+                    "message": "Invalid value: 0x0: must be specified for an update",
+                    "field": "metadata.resourceVersion",
+                }
+            ],
+        },
+        "code": 422,
+    }
+    assert (await (await http.get(f"{LEASES}/{name}")).json())["spec"]["holderIdentity"] == "a"
+
+
+async def test_config_maps_allow_unconditional_put(
+    http: aiohttp.ClientSession, unique: Callable[[str], str]
+) -> None:
+    url = "/api/v1/namespaces/default/configmaps"
+    name = unique("cm")
+    await http.post(url, json={"metadata": {"name": name}, "data": {"a": "1"}})
+    response = await http.put(
+        f"{url}/{name}", json={"metadata": {"name": name}, "data": {"a": "2"}}
+    )
+    assert response.status == 200
+    assert (await response.json())["data"] == {"a": "2"}
+    await http.delete(f"{url}/{name}")
+
+
 async def test_noop_write_keeps_the_resource_version(
     http: aiohttp.ClientSession, unique: Callable[[str], str]
 ) -> None:
@@ -143,11 +197,13 @@ async def test_create_in_a_missing_namespace_is_not_found(
 ) -> None:
     namespace = unique("absent")
     url = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
-    response = await http.post(url, json=lease_body(unique("lease")))
-    assert response.status == 404
-    status = await response.json()
-    assert status["reason"] == "NotFound"
-    assert status["details"] == {"name": namespace, "kind": "namespaces"}
+    # The namespace is checked before the object is (even an invalid one).
+    for body in (lease_body(unique("lease")), lease_body("Not_A_Name", leaseDurationSeconds=0)):
+        response = await http.post(url, json=body)
+        assert response.status == 404
+        status = await response.json()
+        assert status["reason"] == "NotFound"
+        assert status["details"] == {"name": namespace, "kind": "namespaces"}
 
 
 @pytest.mark.parametrize(

@@ -29,17 +29,68 @@ async def test_namespace_lifecycle(
     assert created["spec"]["finalizers"] == ["kubernetes"]
     assert (await http.post(leases_in(name), json={"metadata": {"name": "l"}})).status == 201
 
-    response = await http.delete(f"/api/v1/namespaces/{name}")
-    assert response.status == 200
-    terminating = await response.json()
-    assert terminating["metadata"]["deletionTimestamp"]
-    assert terminating["status"]["phase"] == "Terminating"
+    for _ in range(2):  # deleting a terminating namespace again answers it again
+        response = await http.delete(f"/api/v1/namespaces/{name}")
+        assert response.status == 200
+        terminating = await response.json()
+        assert terminating["metadata"]["deletionTimestamp"]
+        assert terminating["status"]["phase"] == "Terminating"
+        assert terminating["spec"]["finalizers"] == ["kubernetes"]
 
-    # No new content in a terminating namespace (until it is gone: then 404).
-    response = await http.post(leases_in(name), json={"metadata": {"name": "late"}})
-    assert response.status in (403, 404)
-    if response.status == 403:
-        assert (await response.json())["reason"] == "Forbidden"
+    # While it terminates (forever on a bare kube-apiserver, a moment on the embedded
+    # cluster), nothing new may be created in it, however it is created...
+    creates = [
+        http.post(leases_in(name), json={"metadata": {"name": "late"}}),
+        http.put(f"{leases_in(name)}/late", json={"metadata": {"name": "late"}}),
+        http.post(f"/api/v1/namespaces/{name}/configmaps", json={"metadata": {"name": "late"}}),
+    ]
+    for create in creates:
+        response = await create
+        assert response.status == 403
+        status = await response.json()
+        assert status["reason"] == "Forbidden"
+        assert status["message"].endswith(
+            f'"late" is forbidden: unable to create new content in namespace {name} '
+            "because it is being terminated"
+        )
+        assert status["details"]["causes"] == [
+            {
+                "reason": "NamespaceTerminating",
+                "message": f"namespace {name} is being terminated",
+                "field": "metadata.namespace",
+            }
+        ]
+    # ...while what is there may still change.
+    patch = {"metadata": {"labels": {"a": "b"}}}
+    assert (await http.patch(f"{leases_in(name)}/l", json=patch, headers=MERGE)).status == 200
+
+
+async def test_system_namespaces_cannot_be_deleted(http: aiohttp.ClientSession) -> None:
+    for name in ("default", "kube-system", "kube-public"):
+        response = await http.delete(f"/api/v1/namespaces/{name}", params={"dryRun": "All"})
+        assert response.status == 403
+        assert await response.json() == {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": f'namespaces "{name}" is forbidden: this namespace may not be deleted',
+            "reason": "Forbidden",
+            "details": {"name": name, "kind": "namespaces"},
+            "code": 403,
+        }
+
+
+async def test_namespace_finalizers_are_not_updated(
+    http: aiohttp.ClientSession, unique: Callable[[str], str]
+) -> None:
+    name = unique("ns")
+    await http.post("/api/v1/namespaces", json={"metadata": {"name": name}})
+    body = {"metadata": {"name": name, "labels": {"a": "b"}}, "spec": {"finalizers": []}}
+    replaced = await (await http.put(f"/api/v1/namespaces/{name}", json=body)).json()
+    assert replaced["metadata"]["labels"] == {"a": "b"}
+    assert replaced["spec"]["finalizers"] == ["kubernetes"]  # only /finalize changes them
+    await http.delete(f"/api/v1/namespaces/{name}")
 
 
 async def test_generate_name(http: aiohttp.ClientSession, kube_namespace: str) -> None:
@@ -131,6 +182,66 @@ async def test_events_are_accepted(http: aiohttp.ClientSession, kube_namespace: 
     assert [item["message"] for item in listed["items"]] == ["became the leader"]
 
 
+@pytest.mark.parametrize("involved", [{"kind": "Lease", "name": "l"}, None, "other"])
+async def test_events_must_be_about_their_own_namespace(
+    http: aiohttp.ClientSession, kube_namespace: str, involved: Any
+) -> None:
+    # An event without an involvedObject.namespace may only live in "default".
+    event: dict[str, Any] = {"metadata": {"generateName": "e."}, "reason": "Tested"}
+    if involved == "other":
+        involved = {"kind": "Lease", "name": "l", "namespace": "other"}
+    if involved is not None:
+        event["involvedObject"] = involved
+    response = await http.post(f"/api/v1/namespaces/{kube_namespace}/events", json=event)
+    assert response.status == 422
+    status = await response.json()
+    assert status["reason"] == "Invalid"
+    assert status["details"]["kind"] == "Event"
+    wrong = "other" if involved and "namespace" in involved else ""
+    assert status["details"]["causes"] == [
+        {
+            "reason": "FieldValueInvalid",
+            "message": f'Invalid value: "{wrong}": does not match event.namespace',
+            "field": "involvedObject.namespace",
+        }
+    ]
+
+
+async def test_events_without_a_namespace_of_their_object_live_in_default(
+    http: aiohttp.ClientSession, unique: Callable[[str], str]
+) -> None:
+    name = unique("event")
+    event = {"metadata": {"name": name}, "reason": "Tested", "involvedObject": {"kind": "Node"}}
+    url = "/api/v1/namespaces/default/events"
+    assert (await http.post(url, json=event)).status == 201
+    await http.delete(f"{url}/{name}")
+
+
+async def test_new_style_events_need_their_reporter(
+    http: aiohttp.ClientSession, kube_namespace: str
+) -> None:
+    involved = {"kind": "Lease", "name": "l", "namespace": kube_namespace}
+    event = {
+        "metadata": {"generateName": "e."},
+        "involvedObject": involved,
+        "reason": "Tested",
+        "eventTime": "2024-01-02T03:04:05.000006Z",
+    }
+    url = f"/api/v1/namespaces/{kube_namespace}/events"
+    response = await http.post(url, json=event)
+    assert response.status == 422
+    fields = [cause["field"] for cause in (await response.json())["details"]["causes"]]
+    assert fields == [
+        "reportingController",
+        "reportingController",
+        "reportingController",
+        "reportingInstance",
+        "action",
+    ]
+    reported = {**event, "reportingComponent": "tests", "reportingInstance": "i", "action": "Do"}
+    assert (await http.post(url, json=reported)).status == 201
+
+
 async def test_config_maps_drop_unknown_fields(
     http: aiohttp.ClientSession, kube_namespace: str
 ) -> None:
@@ -146,7 +257,7 @@ async def test_watch_through_kubernetes_asyncio(api_client: Any, kube_namespace:
     coordination = client.CoordinationV1Api(api_client)
     listing = await coordination.list_namespaced_lease(kube_namespace)
     version = listing.metadata.resource_version
-    body = {"metadata": {"name": "watched"}, "spec": {"holderIdentity": "a"}}
+    body: Any = {"metadata": {"name": "watched"}, "spec": {"holderIdentity": "a"}}  # sent as is
 
     async def write() -> None:
         await coordination.create_namespaced_lease(kube_namespace, body)
