@@ -39,11 +39,11 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any
 
 import asyncpg
 
+from kopf_reconcile._cogs.closing import AsyncClosing
 from kopf_reconcile._cogs.pg import Database, qualified_table
 from kopf_reconcile.config import ConfigError
 from kopf_reconcile.tenancy import Tenancy
@@ -61,7 +61,7 @@ class _Rejected(Exception):
     """Raised inside the transaction of a callable mutation to roll it back."""
 
 
-class PostgresFencedRepository:
+class PostgresFencedRepository(AsyncClosing):
     """A :class:`~kopf_reconcile.fencing.protocol.FencedRepository` on PostgreSQL (asyncpg)."""
 
     def __init__(
@@ -213,17 +213,6 @@ class PostgresFencedRepository:
     async def close(self) -> None:
         """Close the pool if it was created from a DSN (a borrowed pool stays open)."""
         await self._database.close()
-
-    async def __aenter__(self) -> PostgresFencedRepository:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         return (

@@ -67,8 +67,7 @@ import hashlib
 import os
 import time
 from collections.abc import Awaitable, Callable
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -76,6 +75,7 @@ from kubernetes_asyncio.config import load_incluster_config, load_kube_config
 from kubernetes_asyncio.config.config_exception import ConfigException
 from kubernetes_asyncio.config.kube_config import list_kube_config_contexts
 
+from kopf_reconcile._cogs.closing import AsyncClosing
 from kopf_reconcile._cogs.identity import unique_holder_id
 from kopf_reconcile.config import ConfigError, Duration
 from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
@@ -145,7 +145,7 @@ class _Observation:
     at: float
 
 
-class KubernetesLeaseElector:
+class KubernetesLeaseElector(AsyncClosing):
     """A :class:`~kopf_reconcile.leader.protocol.LeaderElector` on Kubernetes Leases.
 
     ``api`` is a kubernetes-asyncio ``ApiClient``, borrowed: the elector never
@@ -277,17 +277,6 @@ class KubernetesLeaseElector:
             api, self._api = self._api, None
             if api is not None and self._owns_api:
                 await api.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         return (

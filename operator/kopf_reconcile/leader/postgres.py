@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 
 import asyncpg
 
+from kopf_reconcile._cogs.closing import AsyncClosing
 from kopf_reconcile._cogs.identity import unique_holder_id
 from kopf_reconcile._cogs.pg import Database, qualified_table
 from kopf_reconcile.config import ConfigError, Duration
@@ -59,7 +59,7 @@ DEFAULT_LEASE_TTL = LeaseTTL(15)  # client-go's LeaseDuration default
 _FREE = ""  # holder_id of a released lease
 
 
-class PostgresLeaseElector:
+class PostgresLeaseElector(AsyncClosing):
     """A :class:`~kopf_reconcile.leader.protocol.LeaderElector` on a PostgreSQL table."""
 
     def __init__(
@@ -194,17 +194,6 @@ class PostgresLeaseElector:
     async def close(self) -> None:
         """Close the pool if it was created from a DSN (a borrowed pool stays open)."""
         await self._database.close()
-
-    async def __aenter__(self) -> PostgresLeaseElector:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         return (
