@@ -12,6 +12,7 @@ Conventional import: ``import kopf_reconcile as kr``.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from kopf_reconcile.api import PermanentError, Reconciler, Request, Result
@@ -34,7 +35,10 @@ from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.triggers import ChannelTrigger, TickerTrigger, Trigger
 
 if TYPE_CHECKING:
+    from kopf_reconcile.fencing.postgres import PostgresFencedRepository
     from kopf_reconcile.kopf_shim import reconciler
+    from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
+    from kopf_reconcile.leader.postgres import PostgresLeaseElector
 
 __all__ = [
     "Builder",
@@ -42,6 +46,7 @@ __all__ = [
     "ConfigError",
     "FencedRepository",
     "FencedWriter",
+    "KubernetesLeaseElector",
     "LeaderElector",
     "LeaseContended",
     "LeaseError",
@@ -52,6 +57,8 @@ __all__ = [
     "LoopStats",
     "Metrics",
     "PermanentError",
+    "PostgresFencedRepository",
+    "PostgresLeaseElector",
     "Reconciler",
     "Request",
     "Result",
@@ -67,10 +74,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # The kopf shim imports kopf: load it on first use, so importing the kernel stays cheap.
-    if name == "reconciler":
-        from kopf_reconcile.kopf_shim import reconciler
+# Names whose modules import kopf, kubernetes-asyncio or asyncpg: loaded on first use,
+# so importing the kernel stays cheap (and free of kopf).
+_LAZY = {
+    "reconciler": "kopf_reconcile.kopf_shim",
+    "KubernetesLeaseElector": "kopf_reconcile.leader.kubernetes",
+    "PostgresLeaseElector": "kopf_reconcile.leader.postgres",
+    "PostgresFencedRepository": "kopf_reconcile.fencing.postgres",
+}
 
-        return reconciler
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
