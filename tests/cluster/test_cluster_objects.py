@@ -242,6 +242,43 @@ async def test_new_style_events_need_their_reporter(
     assert (await http.post(url, json=reported)).status == 201
 
 
+async def test_events_as_kopf_posts_them(http: aiohttp.ClientSession, kube_namespace: str) -> None:
+    # kopf 1.45's body: a new-style Event, its times from Python's isoformat().
+    event = {
+        "metadata": {"namespace": kube_namespace, "generateName": "kopf-event-"},
+        "action": "Action?",
+        "type": "Normal",
+        "reason": "Logging",
+        "message": "Handler succeeded.",
+        "reportingComponent": "kopf",
+        "reportingInstance": "dev",
+        "source": {"component": "kopf"},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "name": "c",
+            "uid": "00000000-0000-0000-0000-000000000001",
+            "namespace": kube_namespace,
+        },
+        "firstTimestamp": "2024-01-02T03:04:05.123456+00:00",
+        "lastTimestamp": "2024-01-02T05:04:05.5+02:00",
+        "eventTime": "2024-01-02T05:04:05.123456+02:00",
+    }
+    url = f"/api/v1/namespaces/{kube_namespace}/events"
+    response = await http.post(url, json=event)
+    assert response.status == 201
+    created = await response.json()
+    assert created["firstTimestamp"] == "2024-01-02T03:04:05Z"  # metav1.Time: whole seconds
+    assert created["lastTimestamp"] == "2024-01-02T03:04:05Z"
+    assert created["eventTime"] == "2024-01-02T03:04:05.123456Z"  # MicroTime, in UTC
+
+    # isoformat() drops the fraction when the microseconds are 0: a MicroTime needs six digits.
+    response = await http.post(url, json={**event, "eventTime": "2024-01-02T05:04:05+02:00"})
+    assert response.status == 400
+    response = await http.post(url, json={**event, "firstTimestamp": "yesterday"})
+    assert response.status == 400
+
+
 async def test_config_maps_drop_unknown_fields(
     http: aiohttp.ClientSession, kube_namespace: str
 ) -> None:

@@ -30,6 +30,11 @@ MICRO_TIME_LAYOUT = "2006-01-02T15:04:05.000000Z07:00"
 _MICRO_TIME = re.compile(
     r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})\.(\d{6})(Z|[+-]\d{2}:\d{2})"
 )
+#: Go's layout of ``metav1.Time`` (RFC 3339): any fraction is accepted, then dropped.
+TIME_LAYOUT = "2006-01-02T15:04:05Z07:00"
+_TIME = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})()(?:\.\d+)?(Z|[+-]\d{2}:\d{2})"
+)
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -83,10 +88,20 @@ def format_micro_time(moment: datetime) -> str:
 
 def parse_micro_time(value: str) -> datetime:
     """Parse as Go's ``time.Parse(RFC3339Micro, ...)``, or raise ValueError with its message."""
-    match = _MICRO_TIME.fullmatch(value)
+    return _parse_time(value, _MICRO_TIME, MICRO_TIME_LAYOUT)
+
+
+def parse_time(value: str) -> datetime:
+    """Parse as Go's ``time.Parse(RFC3339, ...)`` to whole seconds, or raise ValueError."""
+    return _parse_time(value, _TIME, TIME_LAYOUT)
+
+
+def _parse_time(value: str, pattern: re.Pattern[str], layout: str) -> datetime:
+    match = pattern.fullmatch(value)
     if match is None:
-        raise ValueError(f'parsing time "{value}" as "{MICRO_TIME_LAYOUT}": cannot parse "{value}"')
-    year, month, day, hour, minute, second, micro = (int(part) for part in match.groups()[:7])
+        raise ValueError(f'parsing time "{value}" as "{layout}": cannot parse "{value}"')
+    year, month, day, hour, minute, second = (int(part) for part in match.groups()[:6])
+    micro = int(match[7] or 0)
     zone = match[8]
     offset = timedelta(0) if zone == "Z" else _zone_offset(zone)
     try:
@@ -160,6 +175,15 @@ def _micro_time(value: Any, struct: str, path: str) -> str:
         raise _mismatch(value, struct, path, "v1.MicroTime")
     try:
         return format_micro_time(parse_micro_time(value))
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+
+
+def _time(value: Any, struct: str, path: str) -> str:
+    if not isinstance(value, str):
+        raise _mismatch(value, struct, path, "v1.Time")
+    try:
+        return format_time(parse_time(value))
     except ValueError as exc:
         raise DecodeError(str(exc)) from None
 
@@ -245,6 +269,9 @@ def _decode_event(body: Object) -> Object:
     decoded = dict(body)
     if body.get("eventTime") is not None:
         decoded["eventTime"] = _micro_time(body["eventTime"], "Event", "eventTime")
+    for field in ("firstTimestamp", "lastTimestamp"):
+        if body.get(field) is not None:
+            decoded[field] = _time(body[field], "Event", field)
     if body.get("count") is not None:
         _int32(body["count"], "Event", "count")
     involved = body.get("involvedObject")
