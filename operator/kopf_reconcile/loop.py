@@ -399,6 +399,8 @@ class Loop:
         queue = self._queue
         while not self._stopping:
             if not self._dispatch_open or not queue.ready_count:
+                if not self._running:
+                    queue.trim()
                 idle = self._loop.create_future()
                 self._idle.append(idle)
                 await idle

@@ -111,7 +111,7 @@ class WorkQueue:
     def add(self, entity: str, now: float) -> bool:
         """A fresh trigger: run as soon as possible. True if the entity became ready."""
         self._dead.discard(entity)
-        self._due.pop(entity, None)  # an immediate trigger supersedes any pending delay
+        self._drop_due(entity)  # an immediate trigger supersedes any pending delay
         if entity in self._processing:
             self._dirty.add(entity)
             return False
@@ -134,9 +134,7 @@ class WorkQueue:
             return None
         self._due[entity] = due
         heapq.heappush(self._heap, (due, entity))
-        if len(self._heap) > _COMPACT_MIN and len(self._heap) > _COMPACT_FACTOR * len(self._due):
-            self._heap = [(when, key) for key, when in self._due.items()]
-            heapq.heapify(self._heap)
+        self._compact()
         return due
 
     def next_due(self) -> float | None:
@@ -199,7 +197,7 @@ class WorkQueue:
     def done_permanent(self, entity: str, now: float) -> None:
         """Retrying cannot help: forget the entity's timers until a fresh trigger."""
         self._backoff.pop(entity, None)
-        self._due.pop(entity, None)
+        self._drop_due(entity)
         self._dead.add(entity)
         self._finish(entity, now)
 
@@ -207,7 +205,7 @@ class WorkQueue:
         """The run was interrupted (cancelled, fenced): run again, without a backoff bump."""
         self._finish(entity, now)
         if entity not in self._ready_since:
-            self._due.pop(entity, None)
+            self._drop_due(entity)
             self._push_ready(entity, now)
 
     def forget(self, entity: str) -> None:
@@ -217,9 +215,29 @@ class WorkQueue:
         if entity in self._ready_since:
             del self._ready_since[entity]
             self._ready.remove(entity)
-        self._due.pop(entity, None)
+        self._drop_due(entity)
         self._backoff.pop(entity, None)
         self._dead.discard(entity)
+
+    def trim(self) -> None:
+        """Give back the capacity of emptied tables (CPython dicts and sets never shrink).
+
+        Cheap; call it when the queue goes idle, so memory follows the live entities
+        rather than their peak.
+        """
+        if not self._ready_since:
+            self._ready_since = {}
+        if not self._due:
+            self._due = {}
+            self._heap = []
+        if not self._backoff:
+            self._backoff = {}
+        if not self._processing:
+            self._processing = set()
+        if not self._dirty:
+            self._dirty = set()
+        if not self._dead:
+            self._dead = set()
 
     # -- internals -----------------------------------------------------------
 
@@ -228,8 +246,18 @@ class WorkQueue:
         if entity in self._dirty:
             self._dirty.remove(entity)
             self._dead.discard(entity)
-            self._due.pop(entity, None)  # the re-run supersedes the timer just set
+            self._drop_due(entity)  # the re-run supersedes the timer just set
             self._push_ready(entity, now)
+
+    def _drop_due(self, entity: str) -> None:
+        if self._due.pop(entity, None) is not None:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heap once superseded timers outnumber live ones (amortised O(1))."""
+        if len(self._heap) > _COMPACT_MIN and len(self._heap) > _COMPACT_FACTOR * len(self._due):
+            self._heap = [(when, key) for key, when in self._due.items()]
+            heapq.heapify(self._heap)
 
     def _push_ready(self, entity: str, now: float) -> None:
         self._ready.append(entity)

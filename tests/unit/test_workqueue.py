@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 from hypothesis import settings
@@ -291,3 +292,41 @@ class WorkQueueMachine(RuleBasedStateMachine):
 
 TestWorkQueueMachine = WorkQueueMachine.TestCase
 TestWorkQueueMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_timers_superseded_by_fresh_triggers_do_not_linger() -> None:
+    q = make(base=3600, maximum=3600)  # long backoff: the timers would fire only in an hour
+    n = 100_000
+    for i in range(n):
+        q.add(f"e{i}", 0)
+    while q.ready_count:
+        entity, _ = q.get()
+        q.done_error(entity, 0)
+    assert q.footprint()["heap"] == n
+    for i in range(n):  # fresh triggers supersede every backoff, then everything succeeds
+        q.add(f"e{i}", 1)
+    while q.ready_count:
+        entity, _ = q.get()
+        q.done_success(entity, 1, None)
+    footprint = q.footprint()
+    assert footprint["heap"] <= 1024, footprint
+    del footprint["heap"]
+    assert footprint == dict.fromkeys(footprint, 0), footprint
+
+
+def test_trim_gives_back_the_capacity_of_emptied_tables() -> None:
+    q = make()
+    empty = sys.getsizeof({})
+    for i in range(10_000):
+        q.add(f"e{i}", 0)
+    while q.ready_count:
+        entity, _ = q.get()
+        q.done_error(entity, 0)
+    q.pop_due(10_000)
+    while q.ready_count:
+        entity, _ = q.get()
+        q.done_success(entity, 10_000, None)
+    assert sys.getsizeof(q._backoff) > 100 * empty  # emptied, but CPython keeps the table
+    q.trim()
+    for table in (q._ready_since, q._due, q._backoff):
+        assert sys.getsizeof(table) == empty
