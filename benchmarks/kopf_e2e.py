@@ -6,7 +6,7 @@ PostgreSQL (the same statement through the same repository), report it in
 
 * shim: ``kopf-reconcile run operator/examples/devices.py`` — ``@kr.reconciler`` with its
   stateless ``on.event`` handler, a Kubernetes Lease (renewed every 2 s) and fenced writes;
-* plain: ``kopf run benchmarks/plain_kopf_devices.py`` — ``@kopf.on.create`` /
+* plain: ``kopf run benchmarks/operators/plain_kopf_devices.py`` — ``@kopf.on.create`` /
   ``@kopf.on.update`` (and ``@kopf.on.delete`` for the deletions, hence kopf's finalizer),
   the status written by kopf's own patch.
 
@@ -246,7 +246,7 @@ async def main(devices: int, rounds: int) -> None:
         Contestant(
             "plain",
             "plain kopf on.create/update",
-            [str(BIN / "kopf"), "run", str(ROOT / "benchmarks" / "plain_kopf_devices.py")],
+            [str(BIN / "kopf"), "run", str(ROOT / "benchmarks/operators/plain_kopf_devices.py")],
         ),
         Contestant(
             "shim",
