@@ -19,6 +19,7 @@ any change (periodic resync, coalesced re-runs, retries).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -78,8 +79,8 @@ def as_reconcile_fn(reconciler: object) -> tuple[str, ReconcileFn]:
 
     Accepted: an object with a ``reconcile`` method (async or sync), an async
     function, or a sync function (run in a worker thread so it cannot block the
-    event loop; a thread cannot be interrupted, so a sync reconciler only sees
-    cancellation when it returns).
+    event loop; a thread cannot be interrupted, so a cancelled sync reconcile
+    ends when its thread returns, and its entity is not reconciled again before).
     """
     if reconciler is None:
         raise ConfigError("reconciler is required, got None")
@@ -94,7 +95,17 @@ def as_reconcile_fn(reconciler: object) -> tuple[str, ReconcileFn]:
     sync_target = target
 
     async def in_thread(req: Request) -> object:
-        return await asyncio.to_thread(sync_target, req)
+        thread = asyncio.ensure_future(asyncio.to_thread(sync_target, req))
+        try:
+            return await asyncio.shield(thread)
+        except asyncio.CancelledError:
+            # A thread cannot be interrupted: stay "in progress" until it returns, so the
+            # entity is not handed to another worker while this call still runs; then
+            # let the cancellation through.
+            while not thread.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({thread})
+            raise
 
     return name, in_thread
 

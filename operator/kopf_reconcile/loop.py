@@ -262,6 +262,11 @@ class Loop:
                     extra={"controller": self._name},
                 )
                 await self._cancel(pending)
+        # From here on nothing of this process may pass the local lease check: the
+        # lease is about to be handed back and a peer may hold it a moment later.
+        self._leading = False
+        self._dispatch_open = False
+        self._lease_valid_until = 0.0
         if self._control_task is not None:
             if self._acquiring:
                 # Cancelling an acquire in flight would lose a lease it may just have
@@ -271,7 +276,6 @@ class Loop:
             self._control_task.cancel()
             await asyncio.gather(self._control_task, return_exceptions=True)
         await self._release()
-        self._leading = False
         self._m.leader.set(0)
         self._stopped = True
         logger.info("loop %s stopped", self._name, extra={"controller": self._name})
@@ -388,10 +392,11 @@ class Loop:
     # -- workers ---------------------------------------------------------------
 
     def _spawn_workers(self) -> None:
+        workers = self._workers
         for i in range(self._config.concurrency):
             task = asyncio.create_task(self._work(), name=f"{self._name}: worker {i}")
-            self._workers.add(task)
-            task.add_done_callback(self._workers.discard)
+            workers.add(task)
+            task.add_done_callback(workers.discard)
 
     async def _work(self) -> None:
         task = asyncio.current_task()
@@ -405,6 +410,8 @@ class Loop:
                 self._idle.append(idle)
                 await idle
                 continue
+            if self._lease_expired():
+                continue  # dispatch closed; the control plane steps down
             entity, since = queue.get()
             if self._space:
                 self._wake_one(self._space)
@@ -431,14 +438,19 @@ class Loop:
             self._queue.done_requeue(entity, clock())
             self._m.results["canceled"].inc()
             raise
-        except MalformedEntityId as exc:
-            self._dead_letter(entity, f"malformed entity id: {exc}")
-        except PermanentError as exc:
-            self._dead_letter(entity, f"permanent error: {exc!r}")
-        except StaleEpochError as exc:
-            self._fenced(entity, exc)
         except Exception as exc:
-            self._failed(entity, exc)
+            if task.cancelling():  # cancelled, and its cleanup raised something else
+                self._queue.done_requeue(entity, clock())
+                self._m.results["canceled"].inc()
+                raise asyncio.CancelledError from exc
+            if isinstance(exc, MalformedEntityId):
+                self._dead_letter(entity, f"malformed entity id: {exc}")
+            elif isinstance(exc, PermanentError):
+                self._dead_letter(entity, f"permanent error: {exc!r}")
+            elif isinstance(exc, StaleEpochError):
+                self._fenced(entity, exc)
+            else:
+                self._failed(entity, exc)
         else:
             self._succeeded(entity, outcome)
         finally:
@@ -523,6 +535,20 @@ class Loop:
     def _count_fenced_write(self, outcome: str) -> None:
         self._m.fenced_writes[outcome].inc()
 
+    def _lease_expired(self) -> bool:
+        """True (and dispatch closed) once no renewal succeeded within the renew deadline.
+
+        The control plane notices this too, but after an event-loop stall a worker may
+        run first: it must not start a reconcile on a lease that may be someone else's.
+        """
+        if self._config.leader is None or self._loop.time() < self._lease_valid_until:
+            return False
+        self._dispatch_open = False
+        if self._step_down_reason is None:
+            self._step_down_reason = "the renew deadline passed (the event loop stalled?)"
+        self._recheck.set()
+        return True
+
     def _lease_is_live(self, epoch: int) -> bool:
         if self._config.leader is None:
             return True
@@ -581,7 +607,9 @@ class Loop:
             sent = self._loop.time()
             self._acquiring = True
             try:
-                token = await elector.acquire_lease(self._reconciler_id)
+                # A lease taken just before this deadline is re-acquired as "still ours".
+                async with asyncio.timeout(self._renew_deadline):
+                    token = await elector.acquire_lease(self._reconciler_id)
             except LeaseContended as exc:
                 logger.debug("loop %s: lease is held elsewhere: %s", self._name, exc)
             except Exception as exc:
@@ -601,7 +629,6 @@ class Loop:
                     return
                 self._became_leader(token, sent)
                 await self._hold(elector, token, sent)
-                continue
             self._acquiring = False
             await asyncio.sleep(interval * rng.uniform(1.0, ACQUIRE_RETRY_JITTER))
 
@@ -680,20 +707,22 @@ class Loop:
             extra={"controller": self._name, "epoch": self._epoch},
         )
         if self._workers:
-            await self._cancel(set(self._workers))
+            workers, self._workers = self._workers, set()
+            await self._cancel(workers)
         if release:
             await self._release()
         self._token = None
 
     async def _release(self) -> None:
         token, elector = self._token, self._config.leader
-        self._token = None
         if token is None or elector is None:
             return
         try:
             async with asyncio.timeout(self._renew_deadline):
                 await elector.release_lease(token)
+            self._token = None
         except Exception as exc:
+            self._token = None
             logger.warning(
                 "loop %s: releasing lease %s failed (it will expire by itself): %r",
                 self._name,

@@ -583,3 +583,22 @@ async def test_failing_renewals_step_down_before_the_ttl_lets_another_acquire(
             embedded_cluster.clear_faults()
             await eventually(lambda: loop.stats().is_leader, timeout=4 * ttl)
             assert loop.stats().epoch >= epoch
+
+
+async def test_takeover_of_a_lease_recreated_elsewhere_never_goes_below_the_floor(
+    api: Any, kube_namespace: str, elector: ElectorFactory
+) -> None:
+    fenced = MemoryFencedRepository()
+    assert await fenced.apply_fenced("device-1", 7, {"on": True})  # an old leader's epoch
+    # The Lease was deleted and re-applied from a manifest: no holder, no transitions.
+    manifest = {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": RID, "namespace": kube_namespace},
+        "spec": {"leaseDurationSeconds": 15},
+    }
+    await client.CoordinationV1Api(api).create_namespaced_lease(kube_namespace, manifest)
+    newcomer = elector()
+    newcomer.use_epoch_floor(fenced.highest_epoch)  # what a Loop registers
+    token = await newcomer.acquire_lease(RID)
+    assert token.epoch == 8

@@ -43,7 +43,9 @@ leader's writes at the old epoch would pass the fence. So a new Lease starts
 one above the highest epoch known: the highest this process has seen for it,
 and the highest any process used, as reported by the source registered with
 :meth:`KubernetesLeaseElector.use_epoch_floor` (a Loop registers its fenced
-repository's ``highest_epoch``). Residual risk: without such a source, a Lease
+repository's ``highest_epoch``). Every change of holder consults the floor too,
+so a Lease recreated by someone else (re-applied from a manifest, restored
+from a backup) cannot take the epoch backwards either. Residual risk: without such a source, a Lease
 deleted while no running process remembers its last epoch restarts at 1, and
 a paused former leader holding a higher epoch is then *not* fenced off by the
 epoch alone; and the floor only covers epochs that reached the fenced store.
@@ -232,8 +234,17 @@ class KubernetesLeaseElector(AsyncClosing):
                             f"{_transitions(lease)}; unless renewed it expires for this "
                             f"process in {remaining:.1f}s"
                         )
-                # A change of holder; never below an epoch this process saw before.
-                epoch = max(_transitions(lease), self._highest_epoch.get(reconciler_id, 0)) + 1
+                # A change of holder; never below an epoch this process saw before, nor
+                # below the floor (the Lease may have been recreated by someone else,
+                # e.g. re-applied from a manifest, restarting its transitions).
+                epoch = (
+                    max(
+                        _transitions(lease),
+                        self._highest_epoch.get(reconciler_id, 0),
+                        await self._floor(),
+                    )
+                    + 1
+                )
                 update = {
                     "holderIdentity": self._holder_id,
                     "acquireTime": format_micro_time(now),
@@ -299,12 +310,7 @@ class KubernetesLeaseElector(AsyncClosing):
         return lease
 
     async def _create(self, reconciler_id: str) -> LeaseToken:
-        floor = 0
-        if self._epoch_floor is not None:
-            floor = await self._epoch_floor()
-            if isinstance(floor, bool) or not isinstance(floor, int):
-                raise TypeError(f"the epoch floor source returned {floor!r}, not an int")
-        epoch = max(floor, self._highest_epoch.get(reconciler_id, 0)) + 1
+        epoch = max(await self._floor(), self._highest_epoch.get(reconciler_id, 0)) + 1
         now = _wall_clock()
         namespace = await self._resolved_namespace()
         body = {
@@ -333,6 +339,15 @@ class KubernetesLeaseElector(AsyncClosing):
             raise
         self._observe(reconciler_id, created)
         return self._token(reconciler_id, created, now)
+
+    async def _floor(self) -> int:
+        """The highest epoch any process used, from the registered source (0 without one)."""
+        if self._epoch_floor is None:
+            return 0
+        floor = await self._epoch_floor()
+        if isinstance(floor, bool) or not isinstance(floor, int):
+            raise TypeError(f"the epoch floor source returned {floor!r}, not an int")
+        return floor
 
     async def _replace(self, reconciler_id: str, lease: Lease, update: Lease) -> Lease:
         """PUT ``lease`` with ``update`` in its spec, conditional on its version and uid."""
