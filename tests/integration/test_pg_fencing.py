@@ -1,6 +1,6 @@
 """PostgresFencedRepository on a real PostgreSQL: the epoch CAS, SQL mutations, schema, outages.
 
-One server serves the module; every test gets a database of its own.
+Every test gets a database of its own on the session's PostgreSQL server.
 """
 
 from __future__ import annotations
@@ -30,17 +30,6 @@ CONNECTION_ERRORS = (
     asyncpg.exceptions.OperatorInterventionError,
 )
 FENCE = "kopf_reconcile_fence"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server() -> AsyncIterator[EmbeddedPostgres]:
-    async with EmbeddedPostgres() as postgres:
-        yield postgres
-
-
-@pytest_asyncio.fixture
-async def dsn(server: EmbeddedPostgres) -> str:
-    return await server.create_database()
 
 
 @pytest_asyncio.fixture

@@ -1,6 +1,6 @@
 """PostgresLeaseElector on a real PostgreSQL: contention, epochs, renewal, release, expiry.
 
-One server serves the module; every test gets a database of its own.
+Every test gets a database of its own on the session's PostgreSQL server.
 """
 
 from __future__ import annotations
@@ -25,24 +25,12 @@ from kopf_reconcile.leader.protocol import (
     LeaseToken,
     LeaseTTL,
 )
-from kopf_reconcile.testing import EmbeddedPostgres
 
 RECONCILER = "devices"
 LONG_TTL = LeaseTTL(60)
 SHORT_TTL = LeaseTTL(0.2)
 
 ElectorFactory = Callable[..., Awaitable[PostgresLeaseElector]]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server() -> AsyncIterator[EmbeddedPostgres]:
-    async with EmbeddedPostgres() as postgres:
-        yield postgres
-
-
-@pytest_asyncio.fixture
-async def dsn(server: EmbeddedPostgres) -> str:
-    return await server.create_database()
 
 
 @pytest_asyncio.fixture

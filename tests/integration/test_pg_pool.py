@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
-import pytest_asyncio
 
 from kopf_reconcile._cogs.pg import redact_dsn
 from kopf_reconcile.config import ConfigError
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
-from kopf_reconcile.testing import EmbeddedPostgres
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server() -> AsyncIterator[EmbeddedPostgres]:
-    async with EmbeddedPostgres() as postgres:
-        yield postgres
-
-
-@pytest_asyncio.fixture
-async def dsn(server: EmbeddedPostgres) -> str:
-    return await server.create_database()
 
 
 async def sessions_on(dsn: str) -> int:
