@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliabil
 
 from fleet import ELECTORS, Event, Replica, first_event, lease_store, replicas
 
-from kopf_reconcile.loop import ACQUIRE_RETRY_JITTER
+from kopf_reconcile.leader.holding import ACQUIRE_RETRY_JITTER
 
 STARTUP = 30.0
 RELEASE_GOAL = 1.0

@@ -1,4 +1,4 @@
-"""The reconcile Loop: workers, triggers, timers and the lease control plane.
+"""The reconcile Loop: workers, triggers and timers around a work queue.
 
 A Loop pulls entity ids from its triggers into a :class:`WorkQueue`,
 dispatches them to the reconciler over a bounded pool of worker tasks (one
@@ -12,8 +12,10 @@ renewal has succeeded for the renew deadline (2/3 of the TTL, measured on
 this process's monotonic clock from when the last successful renewal was
 *sent*) or the elector says the lease is lost, the Loop steps down at once:
 in-flight reconciles are cancelled, dispatch stops, and it goes back to
-acquiring. Without an elector the Loop is always the leader, with epoch 0,
-and nothing is fenced.
+acquiring (the control plane is :class:`~kopf_reconcile.leader.holding.LeaseHolder`;
+workers also refuse to start a reconcile once the deadline has passed, e.g.
+after an event-loop stall). Without an elector the Loop is always the leader,
+with epoch 0, and nothing is fenced.
 
 Fencing. With a :class:`FencedRepository`, each reconcile gets a
 :class:`FencedWriter` bound to the lease's epoch. A
@@ -30,7 +32,6 @@ releases the lease so a peer takes over at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
@@ -44,13 +45,8 @@ from kopf_reconcile.backoff import requeue_jitter
 from kopf_reconcile.config import ConfigError, seconds
 from kopf_reconcile.fencing.protocol import FencedRepository, StaleEpochError
 from kopf_reconcile.fencing.writer import bind_writer, mint_writer, unbind_writer
-from kopf_reconcile.leader.protocol import (
-    LeaderElector,
-    LeaseContended,
-    LeaseLost,
-    LeaseToken,
-    LeaseTTL,
-)
+from kopf_reconcile.leader.holding import LeaseHolder
+from kopf_reconcile.leader.protocol import LeaderElector, LeaseToken, LeaseTTL
 from kopf_reconcile.metrics import BoundMetrics, Metrics
 from kopf_reconcile.tenancy import MalformedEntityId, Tenancy
 from kopf_reconcile.triggers import Trigger
@@ -68,7 +64,6 @@ DEFAULT_STOP_TIMEOUT = 30.0  # controller-runtime GracefulShutdownTimeout
 DEFAULT_INTAKE_CAPACITY = 100_000  # ready entities before emit() blocks
 RENEW_DEADLINE_FRACTION = 2 / 3  # client-go: RenewDeadline 10 s of LeaseDuration 15 s
 DEFAULT_RENEW_DEADLINE = 10.0  # for electors that do not expose their ttl
-ACQUIRE_RETRY_JITTER = 1.2  # client-go JitterFactor on RetryPeriod
 TRIGGER_RESTART_MAX = 30.0
 
 _RFC1123_SUBDOMAIN = re.compile(
@@ -140,21 +135,15 @@ class Loop:
         self._started = False
         self._stopping = False
         self._stopped = False
-        # Leadership (single-process mode: always leader, epoch 0).
-        self._leading = False
+        # Leadership: a LeaseHolder with an elector; else always leader, epoch 0.
+        self._holder: LeaseHolder | None = None
+        self._single_leading = False
         self._dispatch_open = False
-        self._epoch = 0
-        self._token: LeaseToken | None = None
-        self._lease_valid_until = 0.0
         self._renew_deadline = DEFAULT_RENEW_DEADLINE
-        self._recheck = asyncio.Event()
-        self._step_down_reason: str | None = None
-        self._acquiring = False
         # Tasks and waiters.
         self._workers: set[asyncio.Task[None]] = set()
         self._stragglers: set[asyncio.Task[None]] = set()
         self._trigger_tasks: list[asyncio.Task[None]] = []
-        self._control_task: asyncio.Task[None] | None = None
         self._idle: deque[asyncio.Future[None]] = deque()
         self._space: deque[asyncio.Future[None]] = deque()
         self._timer: asyncio.TimerHandle | None = None
@@ -184,8 +173,8 @@ class Loop:
             queued=self._queue.ready_count,
             in_flight=len(self._running),
             dead_letters=self._queue.dead_count,
-            is_leader=self._leading,
-            epoch=self._epoch,
+            is_leader=self._holder.leading if self._holder else self._single_leading,
+            epoch=self._holder.epoch if self._holder else 0,
         )
 
     async def start(self) -> None:
@@ -220,14 +209,23 @@ class Loop:
             for t in cfg.triggers
         ]
         if cfg.leader is None:
-            self._leading = True
+            self._single_leading = True
             self._dispatch_open = True
             self._m.leader.set(1)
             self._spawn_workers()
         else:
-            self._control_task = asyncio.create_task(
-                self._lead(cfg.leader), name=f"{self._name}: lease control plane"
+            self._holder = LeaseHolder(
+                cfg.leader,
+                self._reconciler_id,
+                name=f"loop {self._name}",
+                renew_interval=cfg.renew_interval,
+                renew_deadline=self._renew_deadline,
+                rng=cfg.rng,
+                metrics=self._m,
+                on_lead=self._on_lead,
+                on_lose=self._on_lose,
             )
+            self._holder.start()
         logger.info(
             "loop %s started (reconciler id %s, %d workers, %s)",
             self._name,
@@ -262,21 +260,12 @@ class Loop:
                     extra={"controller": self._name},
                 )
                 await self._cancel(pending)
-        # From here on nothing of this process may pass the local lease check: the
-        # lease is about to be handed back and a peer may hold it a moment later.
-        self._leading = False
         self._dispatch_open = False
-        self._lease_valid_until = 0.0
-        if self._control_task is not None:
-            if self._acquiring:
-                # Cancelling an acquire in flight would lose a lease it may just have
-                # taken (held for a whole TTL by a stopped process): let it finish;
-                # _lead hands back what it acquired while stopping.
-                await asyncio.wait({self._control_task}, timeout=self._renew_deadline)
-            self._control_task.cancel()
-            await asyncio.gather(self._control_task, return_exceptions=True)
-        await self._release()
-        self._m.leader.set(0)
+        if self._holder is not None:
+            await self._holder.stop()  # stops counting as live first, then releases
+        else:
+            self._single_leading = False
+            self._m.leader.set(0)
         self._stopped = True
         logger.info("loop %s stopped", self._name, extra={"controller": self._name})
 
@@ -426,7 +415,7 @@ class Loop:
         repo = self._config.fenced_repo
         if repo is not None:
             writer_token = bind_writer(
-                mint_writer(repo, self._epoch, self._lease_is_live, self._count_fenced_write)
+                mint_writer(repo, self.stats().epoch, self._lease_is_live, self._count_fenced_write)
             )
         try:
             if self._tenant_scoped and entity != RESYNC_ALL:
@@ -525,12 +514,10 @@ class Loop:
             exc,
             extra={"controller": self._name, "entity": entity},
         )
-        if self._config.leader is not None and self._leading:
+        if self._holder is not None and self._holder.leading:
             # Stop dispatch now; the control plane steps down and re-acquires.
             self._dispatch_open = False
-            self._lease_valid_until = 0.0
-            self._step_down_reason = "a fenced write was rejected"
-            self._recheck.set()
+            self._holder.step_down_soon("a fenced write was rejected")
 
     def _count_fenced_write(self, outcome: str) -> None:
         self._m.fenced_writes[outcome].inc()
@@ -541,20 +528,14 @@ class Loop:
         The control plane notices this too, but after an event-loop stall a worker may
         run first: it must not start a reconcile on a lease that may be someone else's.
         """
-        if self._config.leader is None or self._loop.time() < self._lease_valid_until:
+        if self._holder is None or not self._holder.deadline_passed():
             return False
         self._dispatch_open = False
-        if self._step_down_reason is None:
-            self._step_down_reason = "the renew deadline passed (the event loop stalled?)"
-        self._recheck.set()
+        self._holder.step_down_soon("the renew deadline passed (the event loop stalled?)")
         return True
 
     def _lease_is_live(self, epoch: int) -> bool:
-        if self._config.leader is None:
-            return True
-        return (
-            self._leading and self._epoch == epoch and self._loop.time() < self._lease_valid_until
-        )
+        return self._holder is None or self._holder.is_live(epoch)
 
     async def _cancel(self, tasks: set[asyncio.Task[None]]) -> None:
         """Cancel tasks and wait for them briefly; report those that ignore cancellation."""
@@ -598,138 +579,18 @@ class Loop:
             await asyncio.sleep(delay)
             delay = min(delay * 2, TRIGGER_RESTART_MAX)
 
-    # -- leadership ------------------------------------------------------------
+    # -- leadership (the control plane itself is leader.holding.LeaseHolder) -----
 
-    async def _lead(self, elector: LeaderElector) -> None:
-        interval = self._config.renew_interval
-        rng = self._config.rng
-        while not self._stopping:
-            sent = self._loop.time()
-            self._acquiring = True
-            try:
-                # A lease taken just before this deadline is re-acquired as "still ours".
-                async with asyncio.timeout(self._renew_deadline):
-                    token = await elector.acquire_lease(self._reconciler_id)
-            except LeaseContended as exc:
-                logger.debug("loop %s: lease is held elsewhere: %s", self._name, exc)
-            except Exception as exc:
-                self._m.lease_errors.inc()
-                logger.warning(
-                    "loop %s: acquiring lease %s failed: %r",
-                    self._name,
-                    self._reconciler_id,
-                    exc,
-                    extra={"controller": self._name},
-                )
-            else:
-                self._acquiring = False
-                if self._stopping:  # acquired while stop() was draining: hand it back
-                    self._token = token
-                    await self._release()
-                    return
-                self._became_leader(token, sent)
-                await self._hold(elector, token, sent)
-            self._acquiring = False
-            await asyncio.sleep(interval * rng.uniform(1.0, ACQUIRE_RETRY_JITTER))
-
-    def _became_leader(self, token: LeaseToken, sent: float) -> None:
-        self._token = token
-        self._epoch = token.epoch
-        self._lease_valid_until = sent + self._renew_deadline
-        self._step_down_reason = None
-        self._recheck.clear()
-        self._leading = True
+    def _on_lead(self, token: LeaseToken) -> None:
         self._dispatch_open = True
-        self._m.leader.set(1)
-        self._m.epoch.set(token.epoch)
-        self._m.lease_transitions.inc()
-        logger.info(
-            "loop %s leads %s as %s (epoch %d)",
-            self._name,
-            token.reconciler_id,
-            token.holder_id,
-            token.epoch,
-            extra={"controller": self._name, "epoch": token.epoch},
-        )
-        self._enqueue(RESYNC_ALL)
+        self._enqueue(RESYNC_ALL)  # a new leader re-observes everything
         self._spawn_workers()
 
-    async def _hold(self, elector: LeaderElector, token: LeaseToken, last_ok: float) -> None:
-        """Renew until the lease is lost, the deadline passes or a fenced write says so."""
-        interval = self._config.renew_interval
-        while True:
-            remaining = last_ok + self._renew_deadline - self._loop.time()
-            if self._step_down_reason is None and remaining > 0:
-                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(interval, remaining)):
-                        await self._recheck.wait()
-            if self._step_down_reason is not None:
-                await self._step_down(self._step_down_reason, release=True)
-                return
-            remaining = last_ok + self._renew_deadline - self._loop.time()
-            if remaining <= 0:
-                await self._step_down("no renewal succeeded within the renew deadline", True)
-                return
-            sent = self._loop.time()
-            try:
-                async with asyncio.timeout(remaining):
-                    await elector.renew_lease(token)
-            except LeaseLost as exc:
-                await self._step_down(f"lease lost: {exc}", release=False)
-                return
-            except Exception as exc:
-                self._m.lease_errors.inc()
-                logger.warning(
-                    "loop %s: renewing lease %s failed (%.1fs left before stepping down): %r",
-                    self._name,
-                    self._reconciler_id,
-                    max(0.0, last_ok + self._renew_deadline - self._loop.time()),
-                    exc,
-                    extra={"controller": self._name},
-                )
-            else:
-                last_ok = sent
-                self._lease_valid_until = sent + self._renew_deadline
-                self._m.lease_renew.observe(self._loop.time() - sent)
-
-    async def _step_down(self, reason: str, release: bool) -> None:
-        self._leading = False
+    async def _on_lose(self) -> None:
         self._dispatch_open = False
-        self._lease_valid_until = 0.0
-        self._m.leader.set(0)
-        logger.warning(
-            "loop %s steps down from %s (epoch %d): %s",
-            self._name,
-            self._reconciler_id,
-            self._epoch,
-            reason,
-            extra={"controller": self._name, "epoch": self._epoch},
-        )
-        if self._workers:
-            workers, self._workers = self._workers, set()
+        workers, self._workers = self._workers, set()
+        if workers:
             await self._cancel(workers)
-        if release:
-            await self._release()
-        self._token = None
-
-    async def _release(self) -> None:
-        token, elector = self._token, self._config.leader
-        if token is None or elector is None:
-            return
-        try:
-            async with asyncio.timeout(self._renew_deadline):
-                await elector.release_lease(token)
-            self._token = None
-        except Exception as exc:
-            self._token = None
-            logger.warning(
-                "loop %s: releasing lease %s failed (it will expire by itself): %r",
-                self._name,
-                self._reconciler_id,
-                exc,
-                extra={"controller": self._name},
-            )
 
     # -- small helpers -----------------------------------------------------------
 

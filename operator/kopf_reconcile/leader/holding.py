@@ -1,0 +1,243 @@
+"""Holding a lease: acquire, renew, step down, release — the Loop's control plane.
+
+A :class:`LeaseHolder` drives one :class:`LeaderElector` for one reconciler
+id and tells its owner (the Loop) when it starts and stops leading:
+
+* acquire, retried every ``renew_interval`` (jittered by a factor of 1 to 1.2, as client-go),
+  each attempt bounded by the renew deadline, so a hung API cannot keep a
+  replica a follower forever;
+* while leading, renew every ``renew_interval``; when no renewal succeeded
+  within the renew deadline — measured on this process's monotonic clock from
+  when the last successful renewal was *sent*, never by comparing clocks of
+  two machines — or the elector says :class:`LeaseLost`, step down at once;
+* stepping down first stops the lease from counting as live (so no fenced
+  write passes the local check), then lets the owner cancel its work, then
+  releases the lease when it may still hold it;
+* :meth:`stop` lets an acquire in flight finish (cancelling it could lose a
+  lease just taken, held for a whole TTL by a stopped process) and hands back
+  whatever is held.
+
+The renew deadline must be shorter than the TTL, so a leader steps down before
+its lease can expire for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+from kopf_reconcile.leader.protocol import LeaderElector, LeaseContended, LeaseLost, LeaseToken
+from kopf_reconcile.metrics import BoundMetrics
+
+logger = logging.getLogger("kopf_reconcile.leader")
+
+ACQUIRE_RETRY_JITTER = 1.2  # client-go JitterFactor on RetryPeriod
+
+
+class LeaseHolder:
+    """The acquire/renew/release loop of one reconciler's lease."""
+
+    def __init__(
+        self,
+        elector: LeaderElector,
+        reconciler_id: str,
+        *,
+        name: str,
+        renew_interval: float,
+        renew_deadline: float,
+        rng: random.Random,
+        metrics: BoundMetrics,
+        on_lead: Callable[[LeaseToken], None],
+        on_lose: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._elector = elector
+        self._reconciler_id = reconciler_id
+        self._name = name
+        self._renew_interval = renew_interval
+        self._renew_deadline = renew_deadline
+        self._rng = rng
+        self._m = metrics
+        self._on_lead = on_lead
+        self._on_lose = on_lose
+        self._clock = asyncio.get_running_loop().time
+        self._token: LeaseToken | None = None
+        self._leading = False
+        self._epoch = 0
+        self._valid_until = 0.0
+        self._acquiring = False
+        self._stopping = False
+        self._step_down_reason: str | None = None
+        self._recheck = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self._leading
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the lease held last (kept after stepping down, for logs and stats)."""
+        return self._epoch
+
+    def is_live(self, epoch: int) -> bool:
+        """Whether the lease of ``epoch`` is held and within its renew deadline, locally."""
+        return self._leading and self._epoch == epoch and self._clock() < self._valid_until
+
+    def deadline_passed(self) -> bool:
+        """True once no renewal succeeded within the renew deadline (e.g. after a stall)."""
+        return self._clock() >= self._valid_until
+
+    def step_down_soon(self, reason: str) -> None:
+        """Ask the control plane to step down (and release) at once; idempotent."""
+        if self._step_down_reason is None:
+            self._step_down_reason = reason
+        self._valid_until = 0.0  # nothing passes the local lease check from now on
+        self._recheck.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"{self._name}: lease control plane")
+
+    async def stop(self) -> None:
+        """Stop acquiring and renewing; hand back the lease. The owner has drained its work."""
+        self._stopping = True
+        self._give_up_locally()
+        if self._task is not None:
+            if self._acquiring:
+                await asyncio.wait({self._task}, timeout=self._renew_deadline)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._release()
+        self._m.leader.set(0)
+
+    # -- the control loop ----------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            sent = self._clock()
+            self._acquiring = True
+            try:
+                # A lease taken just before this deadline is re-acquired as "still ours".
+                async with asyncio.timeout(self._renew_deadline):
+                    token = await self._elector.acquire_lease(self._reconciler_id)
+            except LeaseContended as exc:
+                logger.debug("%s: lease is held elsewhere: %s", self._name, exc)
+            except Exception as exc:
+                self._m.lease_errors.inc()
+                logger.warning(
+                    "%s: acquiring lease %s failed: %r",
+                    self._name,
+                    self._reconciler_id,
+                    exc,
+                    extra={"controller": self._name},
+                )
+            else:
+                self._acquiring = False
+                self._token = token
+                if self._stopping:  # acquired while stop() waited: hand it back
+                    await self._release()
+                    return
+                self._lead(token, sent)
+                await self._hold(token, sent)
+            self._acquiring = False
+            retry = self._renew_interval * self._rng.uniform(1.0, ACQUIRE_RETRY_JITTER)
+            await asyncio.sleep(retry)
+
+    def _lead(self, token: LeaseToken, sent: float) -> None:
+        self._epoch = token.epoch
+        self._valid_until = sent + self._renew_deadline
+        self._step_down_reason = None
+        self._recheck.clear()
+        self._leading = True
+        self._m.leader.set(1)
+        self._m.epoch.set(token.epoch)
+        self._m.lease_transitions.inc()
+        logger.info(
+            "%s leads %s as %s (epoch %d)",
+            self._name,
+            token.reconciler_id,
+            token.holder_id,
+            token.epoch,
+            extra={"controller": self._name, "epoch": token.epoch},
+        )
+        self._on_lead(token)
+
+    async def _hold(self, token: LeaseToken, last_ok: float) -> None:
+        """Renew until the lease is lost, the deadline passes or a step-down is asked for."""
+        while True:
+            remaining = last_ok + self._renew_deadline - self._clock()
+            if self._step_down_reason is None and remaining > 0:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(self._renew_interval, remaining)):
+                        await self._recheck.wait()
+            if self._step_down_reason is not None:
+                await self._step_down(self._step_down_reason, release=True)
+                return
+            remaining = last_ok + self._renew_deadline - self._clock()
+            if remaining <= 0:
+                await self._step_down("no renewal succeeded within the renew deadline", True)
+                return
+            sent = self._clock()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._elector.renew_lease(token)
+            except LeaseLost as exc:
+                await self._step_down(f"lease lost: {exc}", release=False)
+                return
+            except Exception as exc:
+                self._m.lease_errors.inc()
+                logger.warning(
+                    "%s: renewing lease %s failed (%.1fs left before stepping down): %r",
+                    self._name,
+                    self._reconciler_id,
+                    max(0.0, last_ok + self._renew_deadline - self._clock()),
+                    exc,
+                    extra={"controller": self._name},
+                )
+            else:
+                last_ok = sent
+                if self._step_down_reason is None:
+                    self._valid_until = sent + self._renew_deadline
+                self._m.lease_renew.observe(self._clock() - sent)
+
+    async def _step_down(self, reason: str, release: bool) -> None:
+        self._give_up_locally()
+        logger.warning(
+            "%s steps down from %s (epoch %d): %s",
+            self._name,
+            self._reconciler_id,
+            self._epoch,
+            reason,
+            extra={"controller": self._name, "epoch": self._epoch},
+        )
+        await self._on_lose()
+        if release:
+            await self._release()
+        self._token = None
+
+    def _give_up_locally(self) -> None:
+        """From now on nothing of this process passes the local lease check."""
+        self._leading = False
+        self._valid_until = 0.0
+        self._m.leader.set(0)
+
+    async def _release(self) -> None:
+        token = self._token
+        if token is None:
+            return
+        try:
+            async with asyncio.timeout(self._renew_deadline):
+                await self._elector.release_lease(token)
+        except Exception as exc:
+            logger.warning(
+                "%s: releasing lease %s failed (it will expire by itself): %r",
+                self._name,
+                self._reconciler_id,
+                exc,
+                extra={"controller": self._name},
+            )
+        # Only now: a release cancelled half-way is retried by stop().
+        self._token = None
