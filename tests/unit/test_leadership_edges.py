@@ -227,3 +227,38 @@ async def test_no_local_write_passes_once_stop_has_released_the_lease() -> None:
             f"a write at epoch {a.stats().epoch} passed the local lease check after stop() "
             f"released the lease (repo: {repo.applied})"
         )
+
+
+class RecordingAttempts(MemoryLeaseElector):
+    def __init__(self, store: MemoryLeaseStore, ttl: kr.LeaseTTL) -> None:
+        super().__init__(store, ttl)
+        self.attempts: list[float] = []
+
+    async def acquire_lease(self, reconciler_id: str) -> kr.LeaseToken:
+        self.attempts.append(time.monotonic())
+        return await super().acquire_lease(reconciler_id)
+
+
+async def test_a_contended_acquire_is_retried_as_the_holders_lease_runs_out() -> None:
+    store = MemoryLeaseStore()
+    holder = MemoryLeaseElector(store, kr.LeaseTTL(0.3))
+    await holder.acquire_lease(RID)  # held elsewhere, never renewed: expires in 0.3 s
+    expires = store.leases[RID].expires
+    elector = RecordingAttempts(store, kr.LeaseTTL(3))
+
+    async def reconcile(req: kr.Request) -> None:
+        return None
+
+    loop = (
+        kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+        .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+        .with_reconciler_id(RID)
+        .with_leader(elector)
+        .with_renew_interval(1.5)  # a whole retry period would be 1.5-1.8 s
+        .build()
+    )
+    async with loop:
+        await eventually(lambda: loop.stats().is_leader, timeout=5)
+    first, second = elector.attempts[:2]
+    assert first < expires <= second  # no spinning before the expiry...
+    assert second - expires < 0.75  # ...and no waiting a whole retry period after it

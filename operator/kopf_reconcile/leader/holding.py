@@ -4,8 +4,9 @@ A :class:`LeaseHolder` drives one :class:`LeaderElector` for one reconciler
 id and tells its owner (the Loop) when it starts and stops leading:
 
 * acquire, retried every ``renew_interval`` (jittered by a factor of 1 to 1.2, as client-go),
-  each attempt bounded by the renew deadline, so a hung API cannot keep a
-  replica a follower forever;
+  or sooner when the elector says when the holder's lease runs out, each
+  attempt bounded by the renew deadline, so a hung API cannot keep a replica a
+  follower forever;
 * while leading, renew every ``renew_interval``; when no renewal succeeded
   within the renew deadline — measured on this process's monotonic clock from
   when the last successful renewal was *sent*, never by comparing clocks of
@@ -35,6 +36,7 @@ from kopf_reconcile.metrics import BoundMetrics
 logger = logging.getLogger("kopf_reconcile.leader")
 
 ACQUIRE_RETRY_JITTER = 1.2  # client-go JitterFactor on RetryPeriod
+MIN_RETRY = 0.01  # never spin on a lease reported as expiring right now
 
 
 class LeaseHolder:
@@ -118,12 +120,14 @@ class LeaseHolder:
         while not self._stopping:
             sent = self._clock()
             self._acquiring = True
+            retry_after: float | None = None
             try:
                 # A lease taken just before this deadline is re-acquired as "still ours".
                 async with asyncio.timeout(self._renew_deadline):
                     token = await self._elector.acquire_lease(self._reconciler_id)
             except LeaseContended as exc:
                 logger.debug("%s: lease is held elsewhere: %s", self._name, exc)
+                retry_after = exc.retry_after
             except Exception as exc:
                 self._m.lease_errors.inc()
                 logger.warning(
@@ -143,6 +147,8 @@ class LeaseHolder:
                 await self._hold(token, sent)
             self._acquiring = False
             retry = self._renew_interval * self._rng.uniform(1.0, ACQUIRE_RETRY_JITTER)
+            if retry_after is not None:  # try again as the holder's lease runs out
+                retry = min(retry, max(retry_after, 0.0) + MIN_RETRY)
             await asyncio.sleep(retry)
 
     def _lead(self, token: LeaseToken, sent: float) -> None:

@@ -232,7 +232,8 @@ class KubernetesLeaseElector(AsyncClosing):
                         raise LeaseContended(
                             f"{self._where(reconciler_id)} is held by {holder!r} at epoch "
                             f"{_transitions(lease)}; unless renewed it expires for this "
-                            f"process in {remaining:.1f}s"
+                            f"process in {remaining:.1f}s",
+                            retry_after=remaining,
                         )
                 # A change of holder; never below an epoch this process saw before, nor
                 # below the floor (the Lease may have been recreated by someone else,

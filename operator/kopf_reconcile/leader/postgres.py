@@ -152,7 +152,8 @@ class PostgresLeaseElector(AsyncClosing):
             current = await pool.fetchrow(self._read_sql, reconciler_id)
             if current is not None:
                 self._saw_epoch(reconciler_id, int(current["epoch"]))
-                raise LeaseContended(_describe(reconciler_id, current))
+                remaining = (current["expires_at"] - current["now"]).total_seconds()
+                raise LeaseContended(_describe(reconciler_id, current), retry_after=remaining)
             seed = await self._seed_epoch(reconciler_id)
             row = await pool.fetchrow(self._create_sql, reconciler_id, self._holder_id, ttl, seed)
             if row is None:

@@ -24,7 +24,16 @@ class LeaseError(Exception):
 
 
 class LeaseContended(LeaseError):
-    """Another holder owns a live lease; acquisition failed (retry later)."""
+    """Another holder owns a live lease; acquisition failed (retry later).
+
+    ``retry_after``, when the elector knows it, is how many seconds remain until
+    the lease expires unless renewed: the next attempt is worth making then, not
+    a whole retry period later.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class LeaseLost(LeaseError):

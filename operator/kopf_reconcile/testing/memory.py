@@ -64,7 +64,9 @@ class MemoryLeaseElector:
         lease = self.store.leases.setdefault(reconciler_id, _Lease())
         now = time.monotonic()
         if lease.holder and lease.holder != self.holder_id and lease.expires > now:
-            raise LeaseContended(f"lease {reconciler_id} is held by {lease.holder}")
+            raise LeaseContended(
+                f"lease {reconciler_id} is held by {lease.holder}", retry_after=lease.expires - now
+            )
         if lease.holder != self.holder_id or lease.expires <= now:
             lease.epoch += 1
         lease.holder = self.holder_id
