@@ -381,11 +381,17 @@ class Loop:
     # -- workers ---------------------------------------------------------------
 
     def _spawn_workers(self) -> None:
+        """Start workers up to ``concurrency``, counting reconciles that outlive a step-down."""
         workers = self._workers
-        for i in range(self._config.concurrency):
-            task = asyncio.create_task(self._work(), name=f"{self._name}: worker {i}")
+        for _ in range(self._config.concurrency - len(workers) - len(self._stragglers)):
+            task = asyncio.create_task(self._work(), name=f"{self._name}: worker")
             workers.add(task)
             task.add_done_callback(workers.discard)
+
+    def _straggler_done(self, task: asyncio.Task[None]) -> None:
+        self._stragglers.discard(task)
+        if self._dispatch_open and not self._stopping:
+            self._spawn_workers()  # its slot is free again
 
     async def _work(self) -> None:
         task = asyncio.current_task()
@@ -545,7 +551,7 @@ class Loop:
         if stuck:
             self._stragglers |= stuck
             for task in stuck:
-                task.add_done_callback(self._stragglers.discard)
+                task.add_done_callback(self._straggler_done)
             logger.error(
                 "loop %s: %d reconcile(s) ignore cancellation (sync reconcilers cannot be "
                 "interrupted): %s",

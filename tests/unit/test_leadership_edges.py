@@ -262,3 +262,47 @@ async def test_a_contended_acquire_is_retried_as_the_holders_lease_runs_out() ->
     first, second = elector.attempts[:2]
     assert first < expires <= second  # no spinning before the expiry...
     assert second - expires < 0.75  # ...and no waiting a whole retry period after it
+
+
+async def test_reconciles_outliving_a_step_down_count_against_the_concurrency() -> None:
+    store = MemoryLeaseStore()
+    elector = MemoryLeaseElector(store, kr.LeaseTTL(1))
+    release = threading.Event()
+    lock = threading.Lock()
+    running = 0
+    most = 0
+
+    def reconcile(req: kr.Request) -> None:
+        nonlocal running, most
+        if req.entity_id == "":
+            return
+        with lock:
+            running += 1
+            most = max(most, running)
+        try:
+            if req.entity_id == "stuck":
+                release.wait(5)  # uninterruptible
+            else:
+                time.sleep(0.05)
+        finally:
+            with lock:
+                running -= 1
+
+    loop = leader_loop(reconcile, elector, concurrency=2)
+    try:
+        await loop.start()
+        await eventually(lambda: loop.stats().is_leader)
+        await loop.enqueue(kr.Request("stuck"))
+        await eventually(lambda: running == 1)
+        store.expire(RID)  # step down; "stuck" keeps its thread and its slot
+        await eventually(lambda: loop.stats().is_leader and loop.stats().epoch == 2, timeout=5)
+        for i in range(6):
+            await loop.enqueue(kr.Request(f"e{i}"))
+        await eventually(lambda: loop.stats().queued == 0 and running == 1, timeout=5)
+        assert most == 2  # one new worker beside the straggler, never two
+        release.set()
+        await eventually(lambda: running == 0)
+        await eventually(lambda: len(loop._workers) == 2)  # its slot came back
+    finally:
+        release.set()
+        await loop.stop(timeout=2)
