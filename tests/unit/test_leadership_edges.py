@@ -244,7 +244,7 @@ async def test_a_contended_acquire_is_retried_as_the_holders_lease_runs_out() ->
     holder = MemoryLeaseElector(store, kr.LeaseTTL(0.3))
     await holder.acquire_lease(RID)  # held elsewhere, never renewed: expires in 0.3 s
     expires = store.leases[RID].expires
-    elector = RecordingAttempts(store, kr.LeaseTTL(3))
+    elector = RecordingAttempts(store, kr.LeaseTTL(60))
 
     async def reconcile(req: kr.Request) -> None:
         return None
@@ -254,14 +254,13 @@ async def test_a_contended_acquire_is_retried_as_the_holders_lease_runs_out() ->
         .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
         .with_reconciler_id(RID)
         .with_leader(elector)
-        .with_renew_interval(1.5)  # a whole retry period would be 1.5-1.8 s
+        .with_renew_interval(20)  # a whole retry period would be 20-24 s
         .build()
     )
     async with loop:
         await eventually(lambda: loop.stats().is_leader, timeout=5)
-    first, second = elector.attempts[:2]
-    assert first < expires <= second  # no spinning before the expiry...
-    assert second - expires < 0.75  # ...and no waiting a whole retry period after it
+    assert len(elector.attempts) == 2
+    assert elector.attempts[0] < expires <= elector.attempts[1]  # no spinning before it
 
 
 async def test_reconciles_outliving_a_step_down_count_against_the_concurrency() -> None:
