@@ -15,6 +15,13 @@ which it does from its own task, never from the worker that asked.
 
 Inside a reconcile, :func:`cached` returns the body of the entity being
 reconciled (a private copy), or ``None`` when the object no longer exists.
+
+Incarnations. An object deleted and created again under the same name is a
+new object (a new ``metadata.uid``), and the watch may deliver the old one's
+late events (kopf handles each uid in its own worker) after the new one's.
+The cache therefore keys its decisions on uids: a DELETED removes the body
+only if it is that object's, events of a uid known to be deleted are ignored,
+and of two live-looking incarnations the one created later wins.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +41,9 @@ __all__ = ["ObjectCache", "cached"]
 
 Body = dict[str, Any]
 
+# Deleted uids remembered to ignore their late events: a window, not a history.
+GONE_MEMORY = 4096
+
 _current: contextvars.ContextVar[ObjectCache | None] = contextvars.ContextVar(
     "kopf_reconcile_object_cache", default=None
 )
@@ -43,6 +54,7 @@ class ObjectCache:
 
     def __init__(self) -> None:
         self._bodies: dict[str, Mapping[str, Any]] = {}
+        self._gone: OrderedDict[str, None] = OrderedDict()
         self._emit: Emit | None = None
         self._feeding = asyncio.Event()  # set while a Loop runs this trigger
         self._resync = asyncio.Event()
@@ -62,13 +74,36 @@ class ObjectCache:
 
     async def update(self, entity_id: str, body: Mapping[str, Any]) -> None:
         """The object exists with this body: store it, then request a reconcile."""
-        self._bodies[entity_id] = body
+        if self._is_current(entity_id, body):
+            self._bodies[entity_id] = body
         await self._request(entity_id)
 
-    async def remove(self, entity_id: str) -> None:
-        """The object is gone: forget it, then request a reconcile (which sees None)."""
-        self._bodies.pop(entity_id, None)
+    async def remove(self, entity_id: str, body: Mapping[str, Any] | None = None) -> None:
+        """The object is gone: forget it, then request a reconcile.
+
+        With ``body`` (a DELETED event), only that incarnation is forgotten, and its
+        late events are ignored from now on.
+        """
+        uid = _uid(body)
+        if uid is not None:
+            self._gone[uid] = None
+            while len(self._gone) > GONE_MEMORY:
+                self._gone.popitem(last=False)
+        current = self._bodies.get(entity_id)
+        if current is not None and (uid is None or _uid(current) in (None, uid)):
+            del self._bodies[entity_id]
         await self._request(entity_id)
+
+    def _is_current(self, entity_id: str, body: Mapping[str, Any]) -> bool:
+        """Whether ``body`` is (still) the live object under ``entity_id``."""
+        uid = _uid(body)
+        if uid is not None and uid in self._gone:
+            return False  # a late event of a deleted incarnation
+        current = self._bodies.get(entity_id)
+        if current is None or uid is None or _uid(current) in (None, uid):
+            return True
+        # Two incarnations under one name: the one created later is the live one.
+        return _created(body) >= _created(current)
 
     def request_resync(self) -> None:
         """Re-emit every cached entity soon (from the trigger's task; returns at once)."""
@@ -100,6 +135,16 @@ class ObjectCache:
 
     def __repr__(self) -> str:
         return f"<ObjectCache {len(self._bodies)} objects>"
+
+
+def _uid(body: Mapping[str, Any] | None) -> str | None:
+    uid = ((body or {}).get("metadata") or {}).get("uid")
+    return uid if isinstance(uid, str) and uid else None
+
+
+def _created(body: Mapping[str, Any]) -> str:
+    # RFC 3339 in UTC with whole seconds, as the API server writes it: sorts as text.
+    return str((body.get("metadata") or {}).get("creationTimestamp") or "")
 
 
 def cached(req: Request) -> Body | None:

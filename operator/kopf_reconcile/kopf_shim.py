@@ -278,11 +278,11 @@ class _Registration:
             return
         entity_id = f"{namespace}/{name}" if namespace else str(name)
         if event.get("type") == "DELETED":
-            await cache.remove(entity_id)
+            await cache.remove(entity_id, body)
         elif self.options.selection.matches(body):
             await cache.update(entity_id, body)
         elif entity_id in cache:  # it left the selection: to the reconciler it is gone
-            await cache.remove(entity_id)
+            await cache.remove(entity_id)  # (not deleted: it may match again)
 
     # -- the reconcile the Loop calls ----------------------------------------------------
 
