@@ -23,8 +23,11 @@ import re
 import sys
 from typing import Any, TextIO
 
+from kopf_reconcile._cogs.redaction import REDACTED, redact
+
 __all__ = [
     "EVENT_HANDLER_PREFIX",
+    "REDACTED",
     "JsonFormatter",
     "QuietEventHandlers",
     "RedactingFilter",
@@ -33,38 +36,13 @@ __all__ = [
     "redact",
 ]
 
-REDACTED = "***"
-
 #: Id prefix of the kopf handlers the shim registers (see kopf_shim).
 EVENT_HANDLER_PREFIX = "kopf-reconcile/"
-
-_SECRETS: tuple[tuple[re.Pattern[str], str], ...] = (
-    # A password in a URL's userinfo: scheme://user:password@host. The password runs to
-    # the last '@' before whitespace or a quote, so a raw '@' in it is not half-revealed.
-    (re.compile(r"""(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'"]*:)[^\s'"]*(@)"""), rf"\1{REDACTED}\2"),
-    # libpq keyword DSNs and query parameters: password=secret, ?password=secret&...
-    (re.compile(r"(\bpassword\s*=\s*)('[^']*'|[^\s&;,]+)", re.IGNORECASE), rf"\1{REDACTED}"),
-    # Authorization headers in any rendering: "Authorization: Basic x", {'Authorization':
-    # 'Bearer x'}, "authorization"="x". The value runs to the quote or end of line.
-    (
-        re.compile(r"""(\bauthorization['"]?\s*[:=]\s*['"]?)[^'"\r\n]+""", re.IGNORECASE),
-        rf"\1{REDACTED}",
-    ),
-    # Bearer tokens wherever they appear.
-    (re.compile(r"(\bbearer\s+)[A-Za-z0-9._~+/=-]+", re.IGNORECASE), rf"\1{REDACTED}"),
-)
 
 # Attributes every LogRecord has; anything else was passed as an extra.
 _RECORD_ATTRIBUTES = frozenset(
     logging.LogRecord("", 0, "", 0, "", None, None).__dict__.keys() | {"message", "asctime"}
 )
-
-
-def redact(text: str) -> str:
-    """``text`` with database passwords, bearer tokens and Authorization values replaced."""
-    for pattern, replacement in _SECRETS:
-        text = pattern.sub(replacement, text)
-    return text
 
 
 class RedactingFilter(logging.Filter):

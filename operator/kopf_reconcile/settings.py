@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-from kopf_reconcile._cogs.pg import redact_dsn
+from kopf_reconcile._cogs.pg import is_postgres_url, redact_dsn
 from kopf_reconcile.config import ConfigError
 from kopf_reconcile.leader.protocol import LeaseTTL
 
@@ -54,7 +54,6 @@ RENEW_DEADLINE_FRACTION = 2 / 3  # the Loop steps down after 2/3 of the TTL with
 DEFAULT_METRICS_HOST = "127.0.0.1"  # pods set 0.0.0.0 so Prometheus can scrape
 DEFAULT_METRICS_PORT = 8080  # controller-runtime's metrics port
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_DSN_SCHEMES = ("postgresql", "postgres")
 
 
 class LeaderKind(enum.Enum):
@@ -293,8 +292,16 @@ def _lease_ttl(source: str, value: object) -> LeaseTTL:
     return LeaseTTL(number)
 
 
+def _parses(url: str) -> bool:
+    try:
+        urlsplit(url)
+    except ValueError:  # e.g. an unclosed '[' of an IPv6 host
+        return False
+    return True
+
+
 def _database_url(source: str, value: object) -> str:
-    if not isinstance(value, str) or urlsplit(value).scheme not in _DSN_SCHEMES:
+    if not isinstance(value, str) or not is_postgres_url(value) or not _parses(value):
         shown = redact_dsn(value) if isinstance(value, str) else value
         raise ConfigError(
             f"{source} must be a PostgreSQL URL (postgresql://user:password@host:5432/database), "

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kopf_reconcile import logs
+from kopf_reconcile import ConfigError, logs
+from kopf_reconcile._cogs.pg import redact_dsn
+from kopf_reconcile.settings import Settings
 
 PASSWORD = "s3cr@t-Pw"
 TOKEN = "eyJhbGciOiJSUzI1NiJ9.payload.signature"
@@ -161,3 +163,38 @@ def test_configure_installs_json_output_and_redaction() -> None:
 def test_configure_rejects_an_unknown_format() -> None:
     with pytest.raises(ValueError, match="log format"):
         logs.configure("xml")
+
+
+SECRET = "s3cr3tXYZ"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"headers=[('Authorization', 'Basic {SECRET}')]",
+        f"host=db sslpassword={SECRET} dbname=x",
+        f"PGPASSWORD={SECRET}",
+        f"connect kwargs {{'user': 'u', 'password': '{SECRET}'}}",
+        f'{{"user": "u", "password": "{SECRET}"}}',
+        f"postgresql://user:ab/{SECRET}@db:5432/x",
+        f"postgresql://user:ab#{SECRET}@db:5432/x",
+        f"postgresql://user:ab?{SECRET}@db:5432/x",
+        f"postgresql://u:{SECRET}@[db:5432/x",
+    ],
+)
+def test_secrets_in_every_rendering_are_redacted(text: str) -> None:
+    assert SECRET not in logs.redact(text)
+    assert SECRET not in redact_dsn(text)
+
+
+def test_a_repository_repr_never_shows_the_password() -> None:
+    from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+
+    assert SECRET not in repr(PostgresFencedRepository(f"postgresql://user:ab#{SECRET}@db/x"))
+
+
+def test_a_malformed_database_url_is_a_config_error_naming_the_variable() -> None:
+    url = f"postgresql://u:{SECRET}@[db:5432/x"
+    with pytest.raises(ConfigError, match=r"^KOPF_RECONCILE_DATABASE_URL must be") as raised:
+        Settings.load({"KOPF_RECONCILE_DATABASE_URL": url})
+    assert SECRET not in str(raised.value)

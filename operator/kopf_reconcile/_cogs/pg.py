@@ -22,13 +22,13 @@ import asyncio
 import hashlib
 import re
 from collections.abc import Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
+from kopf_reconcile._cogs.redaction import redact
 from kopf_reconcile.config import ConfigError
 
-__all__ = ["Database", "qualified_table", "redact_dsn"]
+__all__ = ["Database", "is_postgres_url", "qualified_table", "redact_dsn"]
 
 # A pool made from a DSN: one warm connection, growing on demand.
 POOL_MIN_SIZE = 1
@@ -38,25 +38,20 @@ CLOSE_GRACE_SECONDS = 5.0
 
 _DSN_SCHEMES = ("postgresql", "postgres")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-_PASSWORD_PARAMETER = re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
+
+
+def is_postgres_url(text: str) -> bool:
+    """Whether ``text`` is a ``postgresql://`` (or ``postgres://``) URL, by its scheme alone.
+
+    Parsing more here would raise on a malformed URL with a message that is not ours.
+    """
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.lower() in _DSN_SCHEMES
 
 
 def redact_dsn(dsn: str) -> str:
-    """The DSN with any password replaced by ``***``."""
-    try:
-        parts = urlsplit(dsn)
-    except ValueError:
-        return _PASSWORD_PARAMETER.sub(r"\1***", dsn)
-    netloc = parts.netloc
-    userinfo, at, hosts = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
-    query = "&".join(
-        f"{name}=***" if "password" in name.lower() else f"{name}{sep}{value}"
-        for name, sep, value in (item.partition("=") for item in parts.query.split("&"))
-    )
-    redacted = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-    return _PASSWORD_PARAMETER.sub(r"\1***", redacted)
+    """The DSN with any password replaced by ``***`` (URL, query or keyword form)."""
+    return redact(dsn)
 
 
 def qualified_table(option: str, name: object) -> str:
@@ -87,7 +82,7 @@ class Database:
         self._pool: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, asyncpg.Pool):
             self._pool = dsn_or_pool
-        elif isinstance(dsn_or_pool, str) and urlsplit(dsn_or_pool).scheme in _DSN_SCHEMES:
+        elif isinstance(dsn_or_pool, str) and is_postgres_url(dsn_or_pool):
             self._dsn = dsn_or_pool
         else:
             shown = redact_dsn(dsn_or_pool) if isinstance(dsn_or_pool, str) else dsn_or_pool
