@@ -37,6 +37,7 @@ import logging
 import random
 import re
 from collections import deque
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Self
 
@@ -137,6 +138,7 @@ class Loop:
         self._stopped = False
         # Leadership: a LeaseHolder with an elector; else always leader, epoch 0.
         self._holder: LeaseHolder | None = None
+        self._record_epoch: Callable[[int], Awaitable[None]] | None = None
         self._single_leading = False
         self._dispatch_open = False
         self._renew_deadline = DEFAULT_RENEW_DEADLINE
@@ -200,6 +202,8 @@ class Loop:
         bind = getattr(cfg.fenced_repo, "bind_loop", None)
         if callable(bind):
             bind(reconciler_id=self._reconciler_id, tenancy=cfg.tenancy)
+        record = getattr(cfg.fenced_repo, "record_epoch", None)
+        self._record_epoch = record if callable(record) else None
         use_floor = getattr(cfg.leader, "use_epoch_floor", None)
         highest = getattr(cfg.fenced_repo, "highest_epoch", None)
         if callable(use_floor) and callable(highest):
@@ -224,6 +228,7 @@ class Loop:
                 metrics=self._m,
                 on_lead=self._on_lead,
                 on_lose=self._on_lose,
+                confirm=self._confirm_epoch if self._record_epoch else None,
             )
             self._holder.start()
         logger.info(
@@ -586,6 +591,18 @@ class Loop:
             delay = min(delay * 2, TRIGGER_RESTART_MAX)
 
     # -- leadership (the control plane itself is leader.holding.LeaseHolder) -----
+
+    async def _confirm_epoch(self, token: LeaseToken) -> None:
+        """Make the fenced store know the epoch before it leads, then re-check the lease.
+
+        With the epoch recorded, the store's ``highest_epoch`` (the floor of a
+        recreated lease record) covers it; the renewal proves the lease was not
+        recreated at this very epoch by someone who read the floor before.
+        """
+        elector = self._config.leader
+        assert self._record_epoch is not None and elector is not None
+        await self._record_epoch(token.epoch)
+        await elector.renew_lease(token)
 
     def _on_lead(self, token: LeaseToken) -> None:
         self._dispatch_open = True

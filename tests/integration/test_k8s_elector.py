@@ -602,3 +602,38 @@ async def test_takeover_of_a_lease_recreated_elsewhere_never_goes_below_the_floo
     newcomer.use_epoch_floor(fenced.highest_epoch)  # what a Loop registers
     token = await newcomer.acquire_lease(RID)
     assert token.epoch == 8
+
+
+async def test_a_recreated_lease_never_reuses_an_epoch_held_before_any_write(
+    kube: Any, kube_namespace: str, elector: ElectorFactory, embedded_postgres_dsn: str
+) -> None:
+    from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+
+    async def idle(req: kr.Request) -> None:
+        return None
+
+    def fenced_loop(lease: KubernetesLeaseElector, repo: PostgresFencedRepository) -> Loop:
+        return (
+            kr.Builder(idle, kr.Tenancy.SINGLE_TENANT)
+            .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+            .with_leader(lease)
+            .with_fenced_repo(repo)
+            .with_reconciler_id(RID)
+            .with_renew_interval(0.1)
+            .build()
+        )
+
+    async with (
+        PostgresFencedRepository(embedded_postgres_dsn) as repo_a,
+        PostgresFencedRepository(embedded_postgres_dsn) as repo_b,
+    ):
+        a = fenced_loop(elector(ttl=5), repo_a)
+        async with a:
+            await eventually(lambda: a.stats().is_leader)
+            held = a.stats().epoch  # A leads but has written nothing at this epoch yet
+            await delete_lease(kube, kube_namespace)  # the Lease object disappears
+            b = fenced_loop(elector(ttl=5), repo_b)
+            async with b:
+                await eventually(lambda: b.stats().is_leader)
+                assert b.stats().epoch > held  # never the epoch A still holds
+                await eventually(lambda: not a.stats().is_leader)  # and A learns it lost

@@ -152,3 +152,39 @@ async def test_a_loop_registers_its_fenced_store_as_the_floor(
             await eventually(lambda: written == [8])
             assert loop.stats().epoch == 8
         assert await repo.get_state("dev-1") == {"v": "loop"}
+
+
+async def test_a_recreated_row_never_reuses_an_epoch_held_before_any_write(
+    embedded_postgres_dsn: str,
+) -> None:
+    async def idle(req: kr.Request) -> None:
+        return None
+
+    def fenced_loop(elector: PostgresLeaseElector, repo: PostgresFencedRepository) -> kr.Loop:
+        return (
+            kr.Builder(idle, kr.Tenancy.SINGLE_TENANT)
+            .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+            .with_leader(elector)
+            .with_fenced_repo(repo)
+            .with_reconciler_id(RECONCILER)
+            .with_renew_interval(0.1)
+            .build()
+        )
+
+    dsn = embedded_postgres_dsn
+    async with (
+        PostgresLeaseElector(dsn, ttl=TTL) as elector_a,
+        PostgresLeaseElector(dsn, ttl=TTL) as elector_b,
+        PostgresFencedRepository(dsn) as repo_a,
+        PostgresFencedRepository(dsn) as repo_b,
+    ):
+        a = fenced_loop(elector_a, repo_a)
+        async with a:
+            await eventually(lambda: a.stats().is_leader)
+            held = a.stats().epoch  # A leads but has written nothing at this epoch yet
+            await delete_lease_row(dsn)  # the lease record disappears
+            b = fenced_loop(elector_b, repo_b)
+            async with b:
+                await eventually(lambda: b.stats().is_leader)
+                assert b.stats().epoch > held  # never the epoch A still holds
+                await eventually(lambda: not a.stats().is_leader)  # and A learns it lost

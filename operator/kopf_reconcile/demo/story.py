@@ -254,7 +254,8 @@ class Demo:
         # leader has written must be rejected there (monotonic fencing: epoch < last_epoch).
         assert self._db is not None
         entity = await self._db.fetchval(
-            "SELECT entity_id FROM kopf_reconcile_fence WHERE scope = $1 AND last_epoch > $2 "
+            "SELECT entity_id FROM kopf_reconcile_fence "
+            "WHERE scope = $1 AND last_epoch > $2 "
             "ORDER BY entity_id LIMIT 1",
             SCOPE,
             old,

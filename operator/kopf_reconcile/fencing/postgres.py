@@ -78,7 +78,13 @@ class PostgresFencedRepository(AsyncClosing):
         self._scope = scope if scope is not None else DEFAULT_SCOPE
         self._tenancy = Tenancy.SINGLE_TENANT
         self._bound_to: tuple[str, Tenancy] | None = None
-        self._database = Database(dsn_or_pool, table=self._table, schema=[_schema(self._table)])
+        # The epochs that led each scope, recorded before they write (see record_epoch).
+        self._epochs = qualified_table("table", f"{table}_epochs")
+        self._database = Database(
+            dsn_or_pool,
+            table=self._table,
+            schema=[_schema(self._table), _epochs_schema(self._epochs)],
+        )
         # The fence check and advance: inserting a new entity always succeeds; an
         # existing row is updated only when its epoch is not higher than ours. A
         # callable mutation passes a NULL state, which keeps the stored one.
@@ -99,9 +105,15 @@ class PostgresFencedRepository(AsyncClosing):
         self._epoch_sql = (
             f"SELECT last_epoch FROM {self._table} WHERE scope = $1 AND entity_id = $2"
         )
-        self._highest_sql = (
-            f"SELECT coalesce(max(last_epoch), 0) FROM {self._table} WHERE scope = $1"
-        )
+        self._highest_sql = f"""
+            SELECT GREATEST(
+                (SELECT coalesce(max(last_epoch), 0) FROM {self._table} WHERE scope = $1),
+                (SELECT coalesce(max(epoch), 0) FROM {self._epochs} WHERE scope = $1))
+        """
+        self._record_sql = f"""
+            INSERT INTO {self._epochs} AS led (scope, epoch) VALUES ($1, $2)
+            ON CONFLICT (scope) DO UPDATE SET epoch = GREATEST(led.epoch, EXCLUDED.epoch)
+        """
 
     # -- configuration ---------------------------------------------------------
 
@@ -198,6 +210,17 @@ class PostgresFencedRepository(AsyncClosing):
         epoch = await pool.fetchval(self._epoch_sql, self._scope, entity_id)
         return None if epoch is None else int(epoch)
 
+    async def record_epoch(self, epoch: int) -> None:
+        """Record that ``epoch`` leads this scope, before it writes anything.
+
+        :meth:`highest_epoch` then covers it, so an elector whose lease record was
+        deleted never hands the same epoch to a second leader. Kept per scope in
+        the table ``<table>_epochs``, and only ever raised.
+        """
+        _check_epoch(epoch)
+        pool = await self._database.pool()
+        await pool.execute(self._record_sql, self._scope, epoch)
+
     async def highest_epoch(self) -> int:
         """The highest epoch recorded in this scope (0 if none).
 
@@ -238,6 +261,15 @@ def _schema(table: str) -> str:
             state      jsonb,
             updated_at timestamptz NOT NULL DEFAULT now(),
             PRIMARY KEY (scope, entity_id)
+        )
+    """
+
+
+def _epochs_schema(table: str) -> str:
+    return f"""
+        CREATE TABLE IF NOT EXISTS {table} (
+            scope text   PRIMARY KEY,
+            epoch bigint NOT NULL CHECK (epoch >= 0)
         )
     """
 

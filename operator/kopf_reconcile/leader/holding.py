@@ -11,6 +11,10 @@ id and tells its owner (the Loop) when it starts and stops leading:
   within the renew deadline — measured on this process's monotonic clock from
   when the last successful renewal was *sent*, never by comparing clocks of
   two machines — or the elector says :class:`LeaseLost`, step down at once;
+* before leading, an optional confirmation runs (the Loop records the epoch in
+  its fenced store, then renews once): an epoch is never used before the
+  store knows it, so an elector whose lease record was deleted and recreated
+  cannot hand the same epoch to two leaders;
 * stepping down first stops the lease from counting as live (so no fenced
   write passes the local check), then lets the owner cancel its work, then
   releases the lease when it may still hold it;
@@ -54,6 +58,7 @@ class LeaseHolder:
         metrics: BoundMetrics,
         on_lead: Callable[[LeaseToken], None],
         on_lose: Callable[[], Awaitable[None]],
+        confirm: Callable[[LeaseToken], Awaitable[None]] | None = None,
     ) -> None:
         self._elector = elector
         self._reconciler_id = reconciler_id
@@ -64,6 +69,7 @@ class LeaseHolder:
         self._m = metrics
         self._on_lead = on_lead
         self._on_lose = on_lose
+        self._confirm = confirm
         self._clock = asyncio.get_running_loop().time
         self._token: LeaseToken | None = None
         self._leading = False
@@ -143,13 +149,46 @@ class LeaseHolder:
                 if self._stopping:  # acquired while stop() waited: hand it back
                     await self._release()
                     return
-                self._lead(token, sent)
-                await self._hold(token, sent)
+                if await self._confirmed(token):
+                    self._lead(token, sent)
+                    await self._hold(token, sent)
             self._acquiring = False
             retry = self._renew_interval * self._rng.uniform(1.0, ACQUIRE_RETRY_JITTER)
             if retry_after is not None:  # try again as the holder's lease runs out
                 retry = min(retry, max(retry_after, 0.0) + MIN_RETRY)
             await asyncio.sleep(retry)
+
+    async def _confirmed(self, token: LeaseToken) -> bool:
+        """Run the owner's confirmation (record the epoch, then re-check the lease)."""
+        if self._confirm is None:
+            return True
+        try:
+            async with asyncio.timeout(self._renew_deadline):
+                await self._confirm(token)
+        except LeaseLost as exc:
+            self._token = None
+            logger.warning(
+                "%s: lease %s at epoch %d was lost before leading: %s",
+                self._name,
+                self._reconciler_id,
+                token.epoch,
+                exc,
+                extra={"controller": self._name},
+            )
+            return False
+        except Exception as exc:
+            self._m.lease_errors.inc()
+            logger.warning(
+                "%s: cannot confirm lease %s at epoch %d, handing it back: %r",
+                self._name,
+                self._reconciler_id,
+                token.epoch,
+                exc,
+                extra={"controller": self._name},
+            )
+            await self._release()
+            return False
+        return True
 
     def _lead(self, token: LeaseToken, sent: float) -> None:
         self._epoch = token.epoch

@@ -119,6 +119,7 @@ class MemoryFencedRepository:
         self.last_epochs: dict[str, int] = {}
         self.states: dict[str, object] = {}
         self.applied: list[tuple[str, int, object]] = []
+        self.recorded_epoch = 0  # the highest epoch that led (see record_epoch)
 
     async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
         await asyncio.sleep(0)
@@ -129,5 +130,9 @@ class MemoryFencedRepository:
         self.applied.append((entity_id, epoch, mutation))
         return True
 
+    async def record_epoch(self, epoch: int) -> None:
+        await asyncio.sleep(0)
+        self.recorded_epoch = max(self.recorded_epoch, epoch)
+
     async def highest_epoch(self) -> int:
-        return max(self.last_epochs.values(), default=0)
+        return max([*self.last_epochs.values(), self.recorded_epoch])
