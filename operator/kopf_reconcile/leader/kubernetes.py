@@ -45,12 +45,13 @@ and the highest any process used, as reported by the source registered with
 :meth:`KubernetesLeaseElector.use_epoch_floor` (a Loop registers its fenced
 repository's ``highest_epoch``). Every change of holder consults the floor too,
 so a Lease recreated by someone else (re-applied from a manifest, restored
-from a backup) cannot take the epoch backwards either. Residual risk: without such a source, a Lease
-deleted while no running process remembers its last epoch restarts at 1, and
-a paused former leader holding a higher epoch is then *not* fenced off by the
-epoch alone; and the floor only covers epochs that reached the fenced store.
-Leases are also only as durable as the cluster's etcd. When that is not
-acceptable, :class:`~kopf_reconcile.leader.postgres.PostgresLeaseElector` is
+from a backup) cannot take the epoch backwards either. A Loop with a fenced
+store records each epoch there, and re-checks its lease, before it leads, so
+the floor covers epochs that lead without having written yet. Residual risk:
+without a fenced store, a Lease deleted while no running process remembers
+its last epoch restarts at 1 (there is then no fencing to break, only the
+epoch numbering); and Leases are only as durable as the cluster's etcd. When
+that is not acceptable, :class:`~kopf_reconcile.leader.postgres.PostgresLeaseElector` is
 the strong-fencing choice: its epoch lives in the same database as the
 fenced rows and is never reset.
 
