@@ -549,14 +549,17 @@ class Loop:
         return self._holder is None or self._holder.is_live(epoch)
 
     async def _cancel(self, tasks: set[asyncio.Task[None]]) -> None:
-        """Cancel tasks and wait for them briefly; report those that ignore cancellation."""
+        """Cancel tasks and wait for them briefly; report those that ignore cancellation.
+
+        They count as stragglers from the start (holding their worker slots, awaited by
+        stop()), even if this wait is itself cancelled half-way.
+        """
         for task in tasks:
+            self._stragglers.add(task)
+            task.add_done_callback(self._straggler_done)
             task.cancel()
         _, stuck = await asyncio.wait(tasks, timeout=1.0)
         if stuck:
-            self._stragglers |= stuck
-            for task in stuck:
-                task.add_done_callback(self._straggler_done)
             logger.error(
                 "loop %s: %d reconcile(s) ignore cancellation (sync reconcilers cannot be "
                 "interrupted): %s",
