@@ -69,7 +69,6 @@ import datetime
 import hashlib
 import os
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, Configuration
@@ -81,6 +80,7 @@ from kubernetes_asyncio.config.kube_config import list_kube_config_contexts
 from kopf_reconcile._cogs.closing import AsyncClosing
 from kopf_reconcile._cogs.identity import unique_holder_id
 from kopf_reconcile.config import ConfigError, Duration
+from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
 from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
 
 __all__ = [
@@ -88,7 +88,6 @@ __all__ = [
     "MANAGED_BY",
     "MANAGED_BY_LABEL",
     "RECONCILER_LABEL",
-    "EpochFloor",
     "KubernetesLeaseElector",
     "format_micro_time",
     "lease_duration_seconds",
@@ -101,8 +100,6 @@ RECONCILER_LABEL = "kopf-reconcile/reconciler-id"
 RELEASED_LEASE_SECONDS = 1  # what a released Lease says, as client-go writes it
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
-#: An async source of the highest epoch ever used (e.g. a fenced store's ``highest_epoch``).
-EpochFloor = Callable[[], Awaitable[int]]
 Lease = dict[str, Any]
 
 _COLLECTION = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
@@ -189,8 +186,7 @@ class KubernetesLeaseElector(AsyncClosing):
         self._connecting = asyncio.Lock()
         self._closed = False
         self._observed: dict[str, _Observation] = {}
-        self._highest_epoch: dict[str, int] = {}
-        self._epoch_floor: EpochFloor | None = None
+        self._epochs = EpochMemory()
 
     @property
     def holder_id(self) -> str:
@@ -209,7 +205,7 @@ class KubernetesLeaseElector(AsyncClosing):
 
     def use_epoch_floor(self, source: EpochFloor) -> None:
         """Seed Leases this elector creates above ``await source()`` (the highest epoch used)."""
-        self._epoch_floor = source
+        self._epochs.use_floor(source)
 
     # -- the LeaderElector protocol ---------------------------------------------
 
@@ -239,14 +235,7 @@ class KubernetesLeaseElector(AsyncClosing):
                 # A change of holder; never below an epoch this process saw before, nor
                 # below the floor (the Lease may have been recreated by someone else,
                 # e.g. re-applied from a manifest, restarting its transitions).
-                epoch = (
-                    max(
-                        _transitions(lease),
-                        self._highest_epoch.get(reconciler_id, 0),
-                        await self._floor(),
-                    )
-                    + 1
-                )
+                epoch = await self._epochs.next_epoch(reconciler_id, _transitions(lease))
                 update = {
                     "holderIdentity": self._holder_id,
                     "acquireTime": format_micro_time(now),
@@ -312,7 +301,7 @@ class KubernetesLeaseElector(AsyncClosing):
         return lease
 
     async def _create(self, reconciler_id: str) -> LeaseToken:
-        epoch = max(await self._floor(), self._highest_epoch.get(reconciler_id, 0)) + 1
+        epoch = await self._epochs.next_epoch(reconciler_id)
         now = _wall_clock()
         namespace = await self._resolved_namespace()
         body = {
@@ -341,15 +330,6 @@ class KubernetesLeaseElector(AsyncClosing):
             raise
         self._observe(reconciler_id, created)
         return self._token(reconciler_id, created, now)
-
-    async def _floor(self) -> int:
-        """The highest epoch any process used, from the registered source (0 without one)."""
-        if self._epoch_floor is None:
-            return 0
-        floor = await self._epoch_floor()
-        if isinstance(floor, bool) or not isinstance(floor, int):
-            raise TypeError(f"the epoch floor source returned {floor!r}, not an int")
-        return floor
 
     async def _replace(self, reconciler_id: str, lease: Lease, update: Lease) -> Lease:
         """PUT ``lease`` with ``update`` in its spec, conditional on its version and uid."""
@@ -427,9 +407,7 @@ class KubernetesLeaseElector(AsyncClosing):
             self._observed[reconciler_id] = _Observation(lease, record, time.monotonic())
         else:
             previous.lease = lease
-        self._highest_epoch[reconciler_id] = max(
-            self._highest_epoch.get(reconciler_id, 0), _transitions(lease)
-        )
+        self._epochs.saw(reconciler_id, _transitions(lease))
 
     def _remaining(self, reconciler_id: str, lease: Lease) -> float:
         """Seconds until the observed record expires for this process (negative: expired)."""

@@ -42,7 +42,6 @@ per elector instance.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Awaitable, Callable
 
 import asyncpg
 
@@ -50,6 +49,7 @@ from kopf_reconcile._cogs.closing import AsyncClosing
 from kopf_reconcile._cogs.identity import unique_holder_id
 from kopf_reconcile._cogs.pg import Database, qualified_table
 from kopf_reconcile.config import ConfigError, Duration
+from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
 from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
 
 __all__ = ["DEFAULT_LEASE_TABLE", "DEFAULT_LEASE_TTL", "PostgresLeaseElector"]
@@ -76,8 +76,7 @@ class PostgresLeaseElector(AsyncClosing):
         self._holder_id = holder_id if holder_id is not None else unique_holder_id()
         self._table = qualified_table("table", table)
         self._database = Database(dsn_or_pool, table=self._table, schema=[_schema(self._table)])
-        self._highest_epoch: dict[str, int] = {}
-        self._epoch_floor: Callable[[], Awaitable[int]] | None = None
+        self._epochs = EpochMemory()
         # Take the row when it is free, expired, or already ours; a change of
         # holder bumps the epoch. $3 is the TTL in milliseconds.
         self._take_sql = f"""
@@ -127,15 +126,13 @@ class PostgresLeaseElector(AsyncClosing):
         """How long a lease lasts without renewal."""
         return self._ttl
 
-    def use_epoch_floor(self, source: Callable[[], Awaitable[int]]) -> None:
+    def use_epoch_floor(self, source: EpochFloor) -> None:
         """Start new lease rows above ``await source()``, the highest epoch any process used.
 
         The source is awaited only when the row must be created; if it fails,
         acquiring fails (the Loop retries) rather than risking a lower epoch.
         """
-        if not callable(source):
-            raise ConfigError(f"the epoch floor source must be an async callable, got {source!r}")
-        self._epoch_floor = source
+        self._epochs.use_floor(source)
 
     async def migrate(self) -> None:
         """Create the lease table if it does not exist (idempotent, safe across processes)."""
@@ -151,17 +148,17 @@ class PostgresLeaseElector(AsyncClosing):
         if row is None:
             current = await pool.fetchrow(self._read_sql, reconciler_id)
             if current is not None:
-                self._saw_epoch(reconciler_id, int(current["epoch"]))
+                self._epochs.saw(reconciler_id, int(current["epoch"]))
                 remaining = (current["expires_at"] - current["now"]).total_seconds()
                 raise LeaseContended(_describe(reconciler_id, current), retry_after=remaining)
-            seed = await self._seed_epoch(reconciler_id)
+            seed = await self._epochs.next_epoch(reconciler_id)
             row = await pool.fetchrow(self._create_sql, reconciler_id, self._holder_id, ttl, seed)
             if row is None:
                 raise LeaseContended(
                     f"lease {reconciler_id!r} was created by another process meanwhile"
                 )
         epoch = int(row["epoch"])
-        self._saw_epoch(reconciler_id, epoch)
+        self._epochs.saw(reconciler_id, epoch)
         return LeaseToken(
             reconciler_id=reconciler_id,
             holder_id=self._holder_id,
@@ -201,18 +198,6 @@ class PostgresLeaseElector(AsyncClosing):
             f"<PostgresLeaseElector holder={self._holder_id!r} table={self._table} "
             f"ttl={self._ttl.seconds}s at {self._database.describe()}>"
         )
-
-    async def _seed_epoch(self, reconciler_id: str) -> int:
-        """The epoch of a new row: above every epoch seen here and the floor source's."""
-        floor = 0
-        if self._epoch_floor is not None:
-            floor = await self._epoch_floor()
-            if isinstance(floor, bool) or not isinstance(floor, int):
-                raise TypeError(f"the epoch floor source returned {floor!r}, not an int")
-        return max(floor, self._highest_epoch.get(reconciler_id, 0)) + 1
-
-    def _saw_epoch(self, reconciler_id: str, epoch: int) -> None:
-        self._highest_epoch[reconciler_id] = max(self._highest_epoch.get(reconciler_id, 0), epoch)
 
 
 def _describe(reconciler_id: str, row: asyncpg.Record | None) -> str:
