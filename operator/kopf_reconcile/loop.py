@@ -176,7 +176,7 @@ class Loop:
             in_flight=len(self._running),
             dead_letters=self._queue.dead_count,
             is_leader=self._holder.leading if self._holder else self._single_leading,
-            epoch=self._holder.epoch if self._holder else 0,
+            epoch=self._epoch(),
         )
 
     async def start(self) -> None:
@@ -426,7 +426,7 @@ class Loop:
         repo = self._config.fenced_repo
         if repo is not None:
             writer_token = bind_writer(
-                mint_writer(repo, self.stats().epoch, self._lease_is_live, self._count_fenced_write)
+                mint_writer(repo, self._epoch(), self._lease_is_live, self._count_fenced_write)
             )
         try:
             if self._tenant_scoped and entity != RESYNC_ALL:
@@ -544,6 +544,9 @@ class Loop:
         self._dispatch_open = False
         self._holder.step_down_soon("the renew deadline passed (the event loop stalled?)")
         return True
+
+    def _epoch(self) -> int:
+        return self._holder.epoch if self._holder is not None else 0
 
     def _lease_is_live(self, epoch: int) -> bool:
         return self._holder is None or self._holder.is_live(epoch)
