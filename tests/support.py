@@ -6,6 +6,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import kopf_reconcile as kr
+
 DEFAULT_TIMEOUT = 10.0
 
 
@@ -26,3 +28,22 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s: {message or condition}")
         await asyncio.sleep(interval)
+
+
+def fenced_loop(
+    reconcile: object,
+    elector: kr.LeaderElector,
+    repo: kr.FencedRepository,
+    reconciler_id: str,
+    renew_interval: float = 0.1,
+) -> kr.Loop:
+    """A Loop that leads through ``elector`` and writes through ``repo`` (requests by hand)."""
+    return (
+        kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)  # type: ignore[arg-type]
+        .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+        .with_leader(elector)
+        .with_fenced_repo(repo)
+        .with_reconciler_id(reconciler_id)
+        .with_renew_interval(renew_interval)
+        .build()
+    )

@@ -36,7 +36,7 @@ from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.loop import Loop
 from kopf_reconcile.testing.cluster import EmbeddedCluster
 from kopf_reconcile.testing.memory import MemoryFencedRepository
-from support import eventually
+from support import eventually, fenced_loop
 
 RID = "devices"
 MICRO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
@@ -612,27 +612,16 @@ async def test_a_recreated_lease_never_reuses_an_epoch_held_before_any_write(
     async def idle(req: kr.Request) -> None:
         return None
 
-    def fenced_loop(lease: KubernetesLeaseElector, repo: PostgresFencedRepository) -> Loop:
-        return (
-            kr.Builder(idle, kr.Tenancy.SINGLE_TENANT)
-            .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
-            .with_leader(lease)
-            .with_fenced_repo(repo)
-            .with_reconciler_id(RID)
-            .with_renew_interval(0.1)
-            .build()
-        )
-
     async with (
         PostgresFencedRepository(embedded_postgres_dsn) as repo_a,
         PostgresFencedRepository(embedded_postgres_dsn) as repo_b,
     ):
-        a = fenced_loop(elector(ttl=5), repo_a)
+        a = fenced_loop(idle, elector(ttl=5), repo_a, RID)
         async with a:
             await eventually(lambda: a.stats().is_leader)
             held = a.stats().epoch  # A leads but has written nothing at this epoch yet
             await delete_lease(kube, kube_namespace)  # the Lease object disappears
-            b = fenced_loop(elector(ttl=5), repo_b)
+            b = fenced_loop(idle, elector(ttl=5), repo_b, RID)
             async with b:
                 await eventually(lambda: b.stats().is_leader)
                 assert b.stats().epoch > held  # never the epoch A still holds

@@ -9,7 +9,6 @@ elector has seen and above its epoch floor source (the fenced repository's
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -19,7 +18,7 @@ import pytest_asyncio
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
-from support import eventually
+from support import eventually, fenced_loop
 
 RECONCILER = "devices"
 TTL = kr.LeaseTTL(60)
@@ -138,15 +137,7 @@ async def test_a_loop_registers_its_fenced_store_as_the_floor(
         PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as elector,
         PostgresFencedRepository(embedded_postgres_dsn) as loop_repo,
     ):
-        loop = (
-            kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
-            .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
-            .with_leader(elector)
-            .with_fenced_repo(loop_repo)
-            .with_reconciler_id(RECONCILER)
-            .with_renew_interval(0.1)
-            .build()
-        )
+        loop = fenced_loop(reconcile, elector, loop_repo, RECONCILER)
         async with loop:
             await loop.enqueue(kr.Request("dev-1"))
             await eventually(lambda: written == [8])
@@ -160,17 +151,6 @@ async def test_a_recreated_row_never_reuses_an_epoch_held_before_any_write(
     async def idle(req: kr.Request) -> None:
         return None
 
-    def fenced_loop(elector: PostgresLeaseElector, repo: PostgresFencedRepository) -> kr.Loop:
-        return (
-            kr.Builder(idle, kr.Tenancy.SINGLE_TENANT)
-            .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
-            .with_leader(elector)
-            .with_fenced_repo(repo)
-            .with_reconciler_id(RECONCILER)
-            .with_renew_interval(0.1)
-            .build()
-        )
-
     dsn = embedded_postgres_dsn
     async with (
         PostgresLeaseElector(dsn, ttl=TTL) as elector_a,
@@ -178,12 +158,12 @@ async def test_a_recreated_row_never_reuses_an_epoch_held_before_any_write(
         PostgresFencedRepository(dsn) as repo_a,
         PostgresFencedRepository(dsn) as repo_b,
     ):
-        a = fenced_loop(elector_a, repo_a)
+        a = fenced_loop(idle, elector_a, repo_a, RECONCILER)
         async with a:
             await eventually(lambda: a.stats().is_leader)
             held = a.stats().epoch  # A leads but has written nothing at this epoch yet
             await delete_lease_row(dsn)  # the lease record disappears
-            b = fenced_loop(elector_b, repo_b)
+            b = fenced_loop(idle, elector_b, repo_b, RECONCILER)
             async with b:
                 await eventually(lambda: b.stats().is_leader)
                 assert b.stats().epoch > held  # never the epoch A still holds
