@@ -10,8 +10,11 @@ set, nothing stays behind a deletion.
 The cache is also the Loop's :class:`~kopf_reconcile.triggers.Trigger`: while
 the Loop runs it, :meth:`ObjectCache.update` and :meth:`ObjectCache.remove`
 hand requests to the Loop with its backpressure (a full intake makes the watch
-wait; nothing is dropped). A resync-all asks it to re-emit every cached entity,
-which it does from its own task, never from the worker that asked.
+wait; nothing is dropped). Requests made before a Loop runs it wait for one.
+Once the Loop stops it (or its owner calls :meth:`ObjectCache.close`), requests
+are dropped instead, so the watch never waits for a Loop that is gone; bodies
+are still stored. A resync-all asks it to re-emit every cached entity, which it
+does from its own task, never from the worker that asked.
 
 Inside a reconcile, :func:`cached` returns the body of the entity being
 reconciled (a private copy), or ``None`` when the object no longer exists.
@@ -19,9 +22,21 @@ reconciled (a private copy), or ``None`` when the object no longer exists.
 Incarnations. An object deleted and created again under the same name is a
 new object (a new ``metadata.uid``), and the watch may deliver the old one's
 late events (kopf handles each uid in its own worker) after the new one's.
-The cache therefore keys its decisions on uids: a DELETED removes the body
-only if it is that object's, events of a uid known to be deleted are ignored,
-and of two live-looking incarnations the one created later wins.
+``creationTimestamp`` has whole seconds, so both may carry the same one.
+The cache therefore keeps the latest body of each uid under an entity id (its
+incarnations): an event updates only its own uid's body, a DELETED removes
+only its own uid's body (and events of a uid known to be deleted are ignored
+from then on), so an entity holds only incarnations not yet seen deleted.
+The *current* incarnation, the one :meth:`ObjectCache.get` returns, is the one
+with the later ``creationTimestamp``; on a tie, the uid the cache first saw
+later (its events are processed after the older object's were). Deleting the
+current incarnation falls back to another one still live. A body without a
+uid cannot be told apart from an incarnation: it replaces them all, and any
+deletion of the entity removes it.
+
+The limit of watching without finalizers (see :mod:`kopf_reconcile.kopf_shim`)
+applies per incarnation: one whose DELETED is never delivered stays behind the
+current one, and becomes current again once that one is deleted.
 """
 
 from __future__ import annotations
@@ -29,6 +44,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+import dataclasses
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -49,33 +66,52 @@ _current: contextvars.ContextVar[ObjectCache | None] = contextvars.ContextVar(
 )
 
 
+@dataclasses.dataclass
+class _Incarnation:
+    body: Mapping[str, Any]
+    seen: int  # when the cache first saw this uid under its entity: breaks creation-time ties
+
+
 class ObjectCache:
     """Latest object bodies by entity id; the trigger that turns watch events into requests."""
 
     def __init__(self) -> None:
-        self._bodies: dict[str, Mapping[str, Any]] = {}
+        # entity id -> uid (None: a body without one) -> the latest body of that uid
+        self._entities: dict[str, dict[str | None, _Incarnation]] = {}
+        self._seen = itertools.count()
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._emit: Emit | None = None
-        self._feeding = asyncio.Event()  # set while a Loop runs this trigger
+        self._closed = False  # the Loop stopped: requests are dropped, not left waiting
+        self._wake = asyncio.Event()  # set while a Loop runs this trigger, and once closed
         self._resync = asyncio.Event()
 
     def __len__(self) -> int:
-        return len(self._bodies)
+        return len(self._entities)
 
     def __contains__(self, entity_id: object) -> bool:
-        return entity_id in self._bodies
+        return entity_id in self._entities
 
     def get(self, entity_id: str) -> Body | None:
         """A private copy of the latest body of ``entity_id``, or None if it does not exist."""
-        body = self._bodies.get(entity_id)
-        return None if body is None else copy.deepcopy(dict(body))
+        incarnations = self._entities.get(entity_id)
+        if not incarnations:
+            return None
+        # Usually one incarnation; two only between a recreation and the old one's DELETED.
+        current = max(incarnations.values(), key=lambda i: (_created(i.body), i.seen))
+        return copy.deepcopy(dict(current.body))
 
     # -- the watch side ----------------------------------------------------------------
 
     async def update(self, entity_id: str, body: Mapping[str, Any]) -> None:
         """The object exists with this body: store it, then request a reconcile."""
-        if self._is_current(entity_id, body):
-            self._bodies[entity_id] = body
+        uid = _uid(body)
+        if uid is None or uid not in self._gone:  # else a late event of a deleted incarnation
+            incarnations = self._entities.get(entity_id)
+            if incarnations is None or uid is None or None in incarnations:
+                incarnations = self._entities[entity_id] = {}
+            known = incarnations.get(uid)
+            seen = next(self._seen) if known is None else known.seen
+            incarnations[uid] = _Incarnation(body, seen)
         await self._request(entity_id)
 
     async def remove(self, entity_id: str, body: Mapping[str, Any] | None = None) -> None:
@@ -89,21 +125,14 @@ class ObjectCache:
             self._gone[uid] = None
             while len(self._gone) > GONE_MEMORY:
                 self._gone.popitem(last=False)
-        current = self._bodies.get(entity_id)
-        if current is not None and (uid is None or _uid(current) in (None, uid)):
-            del self._bodies[entity_id]
+        incarnations = self._entities.get(entity_id)
+        if incarnations is not None:
+            if uid is not None:
+                incarnations.pop(uid, None)
+                incarnations.pop(None, None)  # a body without a uid may have been this one
+            if uid is None or not incarnations:
+                del self._entities[entity_id]  # nothing stays behind a deletion
         await self._request(entity_id)
-
-    def _is_current(self, entity_id: str, body: Mapping[str, Any]) -> bool:
-        """Whether ``body`` is (still) the live object under ``entity_id``."""
-        uid = _uid(body)
-        if uid is not None and uid in self._gone:
-            return False  # a late event of a deleted incarnation
-        current = self._bodies.get(entity_id)
-        if current is None or uid is None or _uid(current) in (None, uid):
-            return True
-        # Two incarnations under one name: the one created later is the live one.
-        return _created(body) >= _created(current)
 
     def request_resync(self) -> None:
         """Re-emit every cached entity soon (from the trigger's task; returns at once)."""
@@ -116,25 +145,45 @@ class ObjectCache:
         if self._emit is not None:
             raise RuntimeError("this ObjectCache already feeds a running Loop")
         self._emit = emit
-        self._feeding.set()
+        self._closed = False  # a Loop feeds on it (again)
+        self._wake.set()
         try:
             while True:
                 await self._resync.wait()
                 self._resync.clear()
-                for entity_id in list(self._bodies):
+                for entity_id in list(self._entities):
                     await emit(Request(entity_id))
+        except asyncio.CancelledError:
+            self.close()  # a Loop cancels its triggers only when it stops (crashes restart)
+            raise
         finally:
             self._emit = None
-            self._feeding.clear()
+            if not self._closed:
+                self._wake.clear()  # crashed: the Loop restarts it, requests wait meanwhile
+
+    def close(self) -> None:
+        """Drop requests from now on instead of waiting for a Loop, until a Loop runs it again.
+
+        The Loop stopping this trigger closes it; the owner of both closes it too when
+        the trigger may not be running then (restarting after a crash).
+        """
+        self._closed = True
+        self._wake.set()
 
     async def _request(self, entity_id: str) -> None:
-        # Events that arrive before the Loop runs (or while it restarts the trigger) wait.
-        while self._emit is None:
-            await self._feeding.wait()
-        await self._emit(Request(entity_id))
+        # Before a Loop runs this trigger (or while it restarts it) requests wait for it.
+        # Once the Loop stops they are dropped: nothing here would reconcile them, and
+        # whoever reconciles next re-observes every object (a new leader's resync-all; on
+        # a restart, the watch's initial listing).
+        while not self._closed:
+            emit = self._emit
+            if emit is not None:
+                await emit(Request(entity_id))
+                return
+            await self._wake.wait()
 
     def __repr__(self) -> str:
-        return f"<ObjectCache {len(self._bodies)} objects>"
+        return f"<ObjectCache {len(self._entities)} objects>"
 
 
 def _uid(body: Mapping[str, Any] | None) -> str | None:

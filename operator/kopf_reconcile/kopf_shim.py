@@ -257,6 +257,11 @@ class _Registration:
 
     async def cleanup(self, **_: Any) -> None:
         loop, self.loop = self.loop, None
+        if self.cache is not None:
+            # Events during and after the stop are dropped, never left waiting on a Loop
+            # that is gone (kopf would wait for the handler forever): the next leader's
+            # resync-all, or this replica's initial listing on its next start, covers them.
+            self.cache.close()
         try:
             if loop is not None:
                 await loop.stop()
