@@ -18,15 +18,32 @@ after an event-loop stall). Without an elector the Loop is always the leader,
 with epoch 0, and nothing is fenced.
 
 Fencing. With a :class:`FencedRepository`, each reconcile gets a
-:class:`FencedWriter` bound to the lease's epoch. A
-:class:`StaleEpochError` escaping a reconcile means a higher epoch has
-written: this process may be a zombie, so it stops dispatching immediately,
-steps down and re-acquires; the entity is re-queued without backoff growth.
+:class:`FencedWriter` bound to the lease's epoch. Before it dispatches, a new
+leader records its epoch in the repository, which from then on rejects every
+write below it in the Loop's scope (writes already in flight are ordered
+before the recording). A :class:`StaleEpochError` escaping a reconcile means
+a higher epoch has led: this process may be a zombie, so it stops dispatching
+immediately, steps down and re-acquires; the entity is re-queued without
+backoff growth.
+
+Capabilities. The Loop relies only on declared protocols: the elector must
+declare its TTL (:class:`~kopf_reconcile.leader.protocol.ElectorWithTTL`);
+with a leader, the repository must record epochs
+(:class:`~kopf_reconcile.fencing.protocol.EpochRecordingRepository`);
+optional capabilities (epoch floors, release notifications, binding a
+repository to the Loop) are used when declared. A combination that would
+silently weaken a guarantee is a :class:`ConfigError` at start.
+
+Guarded work. A lease is never released while a reconcile it guards still
+runs: after cancelling them, the Loop waits for them only while the lease is
+still live locally, and lets the lease lapse (instead of releasing it) when
+one outlives that wait, e.g. a sync reconciler in its thread.
 
 Lifecycle. ``await start()`` returns promptly, everything runs as tasks;
 ``await stop(timeout)`` stops the triggers, lets in-flight reconciles finish
 (renewing the lease meanwhile), cancels what is left after the timeout, and
-releases the lease so a peer takes over at once.
+releases the lease so a peer takes over at once (unless cancelled work still
+runs: see above).
 """
 
 from __future__ import annotations
@@ -36,18 +53,29 @@ import dataclasses
 import logging
 import random
 import re
+import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Self
 
 from kopf_reconcile.api import RESYNC_ALL, PermanentError, Request, Result, as_reconcile_fn
 from kopf_reconcile.backoff import requeue_jitter
 from kopf_reconcile.config import ConfigError, seconds
-from kopf_reconcile.fencing.protocol import FencedRepository, StaleEpochError
+from kopf_reconcile.fencing.protocol import (
+    EpochRecordingRepository,
+    FencedRepository,
+    LoopBoundRepository,
+    StaleEpochError,
+)
 from kopf_reconcile.fencing.writer import bind_writer, mint_writer, unbind_writer
 from kopf_reconcile.leader.holding import LeaseHolder
-from kopf_reconcile.leader.protocol import LeaderElector, LeaseToken, LeaseTTL
+from kopf_reconcile.leader.protocol import (
+    ElectorWithTTL,
+    FloorAwareElector,
+    LeaderElector,
+    LeaseToken,
+    LeaseTTL,
+)
 from kopf_reconcile.metrics import BoundMetrics, Metrics
 from kopf_reconcile.tenancy import MalformedEntityId, Tenancy
 from kopf_reconcile.triggers import Trigger
@@ -64,8 +92,12 @@ DEFAULT_RENEW_INTERVAL = 2.0  # client-go RetryPeriod
 DEFAULT_STOP_TIMEOUT = 30.0  # controller-runtime GracefulShutdownTimeout
 DEFAULT_INTAKE_CAPACITY = 100_000  # ready entities before emit() blocks
 RENEW_DEADLINE_FRACTION = 2 / 3  # client-go: RenewDeadline 10 s of LeaseDuration 15 s
-DEFAULT_RENEW_DEADLINE = 10.0  # for electors that do not expose their ttl
 TRIGGER_RESTART_MAX = 30.0
+UNLED_CANCEL_WAIT = 1.0  # without a lease, how long stop() waits for cancelled reconciles
+
+# The leases Loops of this process hold, by (elector, reconciler id): two Loops on
+# one elector and one id would both "hold" the same lease (same holder identity).
+_leases_in_use: dict[tuple[int, str], weakref.ref[Loop]] = {}
 
 _RFC1123_SUBDOMAIN = re.compile(
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -138,10 +170,12 @@ class Loop:
         self._stopped = False
         # Leadership: a LeaseHolder with an elector; else always leader, epoch 0.
         self._holder: LeaseHolder | None = None
-        self._record_epoch: Callable[[int], Awaitable[None]] | None = None
+        self._recorder: EpochRecordingRepository | None = None
+        self._floor_elector: FloorAwareElector | None = None
         self._single_leading = False
         self._dispatch_open = False
-        self._renew_deadline = DEFAULT_RENEW_DEADLINE
+        self._renew_deadline = 0.0
+        self._ttl = 0.0
         # Tasks and waiters.
         self._workers: set[asyncio.Task[None]] = set()
         self._stragglers: set[asyncio.Task[None]] = set()
@@ -150,7 +184,7 @@ class Loop:
         self._space: deque[asyncio.Future[None]] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0
-        self._running: dict[str, float] = {}
+        self._running: dict[str, asyncio.Task[None]] = {}  # entity -> its worker
         self._queue = WorkQueue(
             backoff_base=config.backoff_base, backoff_max=config.backoff_max, rng=config.rng
         )
@@ -184,6 +218,7 @@ class Loop:
         if self._started:
             raise RuntimeError(f"loop {self._name!r} was already started")
         self._validate()
+        self._claim_lease()
         self._started = True
         cfg = self._config
         self._loop = asyncio.get_running_loop()
@@ -199,15 +234,11 @@ class Loop:
         )
         self._m.max_concurrent.set(cfg.concurrency)
         self._metered = cfg.metrics is not None
-        bind = getattr(cfg.fenced_repo, "bind_loop", None)
-        if callable(bind):
-            bind(reconciler_id=self._reconciler_id, tenancy=cfg.tenancy)
-        record = getattr(cfg.fenced_repo, "record_epoch", None)
-        self._record_epoch = record if callable(record) else None
-        use_floor = getattr(cfg.leader, "use_epoch_floor", None)
-        highest = getattr(cfg.fenced_repo, "highest_epoch", None)
-        if callable(use_floor) and callable(highest):
-            use_floor(highest)
+        if isinstance(cfg.fenced_repo, LoopBoundRepository):
+            cfg.fenced_repo.bind_loop(reconciler_id=self._reconciler_id, tenancy=cfg.tenancy)
+        if self._recorder is not None and isinstance(cfg.leader, FloorAwareElector):
+            cfg.leader.use_epoch_floor(self._reconciler_id, self._recorder.highest_epoch)
+            self._floor_elector = cfg.leader
         self._trigger_tasks = [
             asyncio.create_task(self._supervise(t), name=f"{self._name}: trigger {t!r}")
             for t in cfg.triggers
@@ -222,13 +253,14 @@ class Loop:
                 cfg.leader,
                 self._reconciler_id,
                 name=f"loop {self._name}",
+                ttl=self._ttl,
                 renew_interval=cfg.renew_interval,
                 renew_deadline=self._renew_deadline,
                 rng=cfg.rng,
                 metrics=self._m,
                 on_lead=self._on_lead,
                 on_lose=self._on_lose,
-                confirm=self._confirm_epoch if self._record_epoch else None,
+                confirm=self._confirm_epoch if self._recorder is not None else None,
             )
             self._holder.start()
         logger.info(
@@ -246,33 +278,64 @@ class Loop:
             return
         limit = self._config.stop_timeout if timeout is None else seconds("timeout", timeout)
         self._stopping = True
-        for task in self._trigger_tasks:
-            task.cancel()
-        await asyncio.gather(*self._trigger_tasks, return_exceptions=True)
-        if self._timer is not None:
-            self._timer.cancel()
-        self._wake_all(self._idle)
-        self._wake_all(self._space)
-        workers = self._workers | self._stragglers
-        if workers:
-            _, pending = await asyncio.wait(workers, timeout=limit)
-            if pending:
-                logger.error(
-                    "loop %s: reconciles still running %.1fs after stop, cancelling: %s",
-                    self._name,
-                    limit,
-                    sorted(self._running),
-                    extra={"controller": self._name},
-                )
-                await self._cancel(pending)
-        self._dispatch_open = False
-        if self._holder is not None:
-            await self._holder.stop()  # stops counting as live first, then releases
-        else:
-            self._single_leading = False
-            self._m.leader.set(0)
+        try:
+            for task in self._trigger_tasks:
+                task.cancel()
+            await asyncio.gather(*self._trigger_tasks, return_exceptions=True)
+            if self._timer is not None:
+                self._timer.cancel()
+            self._wake_all(self._idle)
+            self._wake_all(self._space)
+            workers = self._workers | self._stragglers
+            if workers:
+                _, pending = await asyncio.wait(workers, timeout=limit)
+                if pending:
+                    logger.error(
+                        "loop %s: reconciles still running %.1fs after stop, cancelling: %s",
+                        self._name,
+                        limit,
+                        sorted(self._running),
+                        extra={"controller": self._name},
+                    )
+                    self._cancel(pending)
+            self._dispatch_open = False
+            if self._holder is not None:
+                # Stops counting as live first; releases only once no guarded work runs.
+                await self._holder.stop(set(self._running.values()))
+            else:
+                if self._running:
+                    await asyncio.wait(set(self._running.values()), timeout=UNLED_CANCEL_WAIT)
+                self._single_leading = False
+                self._m.leader.set(0)
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+        self._report_stuck()
+        self._release_claims()
         self._stopped = True
         logger.info("loop %s stopped", self._name, extra={"controller": self._name})
+
+    def _abandon(self) -> None:
+        """``stop()`` was cancelled: stop everything at once and let the lease lapse.
+
+        Nothing is awaited (the caller wants out); without a release, no peer takes
+        over before the TTL, so work still ending in threads is not overlapped early.
+        """
+        self._dispatch_open = False
+        for task in self._trigger_tasks:
+            task.cancel()
+        self._cancel(self._workers | self._stragglers)
+        if self._holder is not None:
+            self._holder.abandon()
+        self._single_leading = False
+        self._m.leader.set(0)
+        self._release_claims()
+        self._stopped = True
+        logger.warning(
+            "loop %s: stop() was cancelled; the lease (if held) lapses instead of being released",
+            self._name,
+            extra={"controller": self._name},
+        )
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -316,23 +379,64 @@ class Loop:
         if cfg.stop_timeout < 0:
             raise ConfigError(f"stop timeout must be >= 0 seconds, got {cfg.stop_timeout!r}")
         validate_reconciler_id(self._reconciler_id)
-        if cfg.leader is not None:
-            if cfg.renew_interval <= 0:
-                raise ConfigError(f"renew_interval must be > 0 seconds, got {cfg.renew_interval!r}")
-            ttl = getattr(cfg.leader, "ttl", None)
-            if isinstance(ttl, LeaseTTL):
-                self._renew_deadline = ttl.seconds * RENEW_DEADLINE_FRACTION
-                if cfg.renew_interval >= self._renew_deadline:
-                    raise ConfigError(
-                        f"renew_interval ({cfg.renew_interval!r} s) must be shorter than the "
-                        f"renew deadline ({self._renew_deadline:.3g} s = 2/3 of the lease ttl "
-                        f"{ttl.seconds!r} s), so a leader steps down before its lease can expire"
-                    )
-            elif cfg.renew_interval >= DEFAULT_RENEW_DEADLINE:
+        repo = cfg.fenced_repo
+        if repo is not None and not isinstance(repo, FencedRepository):
+            raise ConfigError(f"fenced repo {repo!r} is not a FencedRepository (apply_fenced)")
+        if cfg.leader is None:
+            return
+        leader = cfg.leader
+        if not isinstance(leader, LeaderElector):
+            raise ConfigError(
+                f"leader {leader!r} is not a LeaderElector "
+                "(acquire_lease, renew_lease, release_lease)"
+            )
+        if cfg.renew_interval <= 0:
+            raise ConfigError(f"renew_interval must be > 0 seconds, got {cfg.renew_interval!r}")
+        ttl = _declared_ttl(leader)
+        self._ttl = ttl.seconds
+        self._renew_deadline = ttl.seconds * RENEW_DEADLINE_FRACTION
+        if cfg.renew_interval >= self._renew_deadline:
+            raise ConfigError(
+                f"renew_interval ({cfg.renew_interval!r} s) must be shorter than the "
+                f"renew deadline ({self._renew_deadline:.3g} s = 2/3 of the lease ttl "
+                f"{ttl.seconds!r} s), so a leader steps down before its lease can expire"
+            )
+        if repo is not None:
+            if not isinstance(repo, EpochRecordingRepository):
                 raise ConfigError(
-                    f"renew_interval ({cfg.renew_interval!r} s) must be shorter than the "
-                    f"renew deadline ({DEFAULT_RENEW_DEADLINE} s)"
+                    f"fenced repo {repo!r} cannot record the epoch a leader leads at "
+                    "(record_epoch, highest_epoch: the EpochRecordingRepository protocol), so "
+                    "a paused old leader could still write to entities the new leader has not "
+                    "written; implement it, or run without a leader"
                 )
+            self._recorder = repo
+
+    def _claim_lease(self) -> None:
+        """Refuse a second running Loop on the same elector and reconciler id."""
+        leader = self._config.leader
+        if leader is None:
+            return
+        key = (id(leader), self._reconciler_id)
+        ref = _leases_in_use.get(key)
+        other = ref() if ref is not None else None
+        if other is not None and other is not self and not other._stopped:
+            raise ConfigError(
+                f"reconciler id {self._reconciler_id!r} is already led through elector "
+                f"{leader!r} by loop {other.name!r}: both would hold the same lease under one "
+                "holder identity; give each Loop its own reconciler_id"
+            )
+        _leases_in_use[key] = weakref.ref(self)
+
+    def _release_claims(self) -> None:
+        leader = self._config.leader
+        if leader is not None:
+            key = (id(leader), self._reconciler_id)
+            ref = _leases_in_use.get(key)
+            if ref is not None and ref() is self:
+                del _leases_in_use[key]
+        if self._floor_elector is not None and self._recorder is not None:
+            self._floor_elector.drop_epoch_floor(self._reconciler_id, self._recorder.highest_epoch)
+            self._floor_elector = None
 
     # -- intake ----------------------------------------------------------------
 
@@ -345,8 +449,11 @@ class Loop:
         entity = request.entity_id
         queue = self._queue
         capacity = self._config.intake_capacity
+        # Only a dispatching Loop drains its queue: a follower keeps each id once
+        # (deduplicated, bounded by the ids it sees) and never blocks its triggers.
         while (
-            queue.ready_count >= capacity
+            self._dispatch_open
+            and queue.ready_count >= capacity
             and not queue.is_ready(entity)
             and not queue.is_processing(entity)
             and not self._stopping
@@ -421,7 +528,7 @@ class Loop:
         # The hot path: keep it free of work that is not needed per reconcile.
         clock = self._loop.time
         started = clock()
-        self._running[entity] = started
+        self._running[entity] = task
         writer_token = None
         repo = self._config.fenced_repo
         if repo is not None:
@@ -434,11 +541,14 @@ class Loop:
             outcome = await self._reconcile(Request(entity))
             if task.cancelling():
                 raise asyncio.CancelledError  # the reconciler swallowed a cancellation
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            if not task.cancelling():  # raised by the reconciler itself: a failure
+                self._failed(entity, exc)
+                return
             self._queue.done_requeue(entity, clock())
             self._m.results["canceled"].inc()
             raise
-        except Exception as exc:
+        except BaseException as exc:  # whatever a reconciler raises, the worker lives on
             if task.cancelling():  # cancelled, and its cleanup raised something else
                 self._queue.done_requeue(entity, clock())
                 self._m.results["canceled"].inc()
@@ -451,6 +561,8 @@ class Loop:
                 self._fenced(entity, exc)
             else:
                 self._failed(entity, exc)
+                if isinstance(exc, KeyboardInterrupt | SystemExit):
+                    raise  # the process is meant to end; the entity's state is consistent
         else:
             self._succeeded(entity, outcome)
         finally:
@@ -487,7 +599,7 @@ class Loop:
         if due is not None and (self._timer is None or due < self._timer_due):
             self._arm_timer()
 
-    def _failed(self, entity: str, exc: Exception) -> None:
+    def _failed(self, entity: str, exc: BaseException) -> None:
         delay = self._queue.done_error(entity, self._loop.time())
         self._arm_timer()
         m = self._m
@@ -551,23 +663,24 @@ class Loop:
     def _lease_is_live(self, epoch: int) -> bool:
         return self._holder is None or self._holder.is_live(epoch)
 
-    async def _cancel(self, tasks: set[asyncio.Task[None]]) -> None:
-        """Cancel tasks and wait for them briefly; report those that ignore cancellation.
+    def _cancel(self, tasks: set[asyncio.Task[None]]) -> None:
+        """Cancel workers; until they end they are stragglers (holding their worker slots).
 
-        They count as stragglers from the start (holding their worker slots, awaited by
-        stop()), even if this wait is itself cancelled half-way.
+        Whoever cancels waits for them as the lease allows (the LeaseHolder, or stop()).
         """
         for task in tasks:
-            self._stragglers.add(task)
-            task.add_done_callback(self._straggler_done)
+            if task not in self._stragglers:
+                self._stragglers.add(task)
+                task.add_done_callback(self._straggler_done)
             task.cancel()
-        _, stuck = await asyncio.wait(tasks, timeout=1.0)
-        if stuck:
+
+    def _report_stuck(self) -> None:
+        if self._running:
             logger.error(
                 "loop %s: %d reconcile(s) ignore cancellation (sync reconcilers cannot be "
                 "interrupted): %s",
                 self._name,
-                len(stuck),
+                len(self._running),
                 sorted(self._running),
                 extra={"controller": self._name},
             )
@@ -599,27 +712,28 @@ class Loop:
     # -- leadership (the control plane itself is leader.holding.LeaseHolder) -----
 
     async def _confirm_epoch(self, token: LeaseToken) -> None:
-        """Make the fenced store know the epoch before it leads, then re-check the lease.
+        """Make the fenced store know the epoch before it leads.
 
-        With the epoch recorded, the store's ``highest_epoch`` (the floor of a
-        recreated lease record) covers it; the renewal proves the lease was not
-        recreated at this very epoch by someone who read the floor before.
+        From then on the store rejects every write below it in this scope, and its
+        ``highest_epoch`` (the floor of a recreated lease record) covers it. The
+        LeaseHolder renews once afterwards: that proves the lease was not recreated
+        at this very epoch by someone who read the floor before.
         """
-        elector = self._config.leader
-        assert self._record_epoch is not None and elector is not None
-        await self._record_epoch(token.epoch)
-        await elector.renew_lease(token)
+        assert self._recorder is not None
+        await self._recorder.record_epoch(token.epoch)
 
     def _on_lead(self, token: LeaseToken) -> None:
         self._dispatch_open = True
         self._enqueue(RESYNC_ALL)  # a new leader re-observes everything
         self._spawn_workers()
 
-    async def _on_lose(self) -> None:
+    def _on_lose(self) -> set[asyncio.Task[None]]:
+        """Stop dispatching and cancel every reconcile; the ones still running are returned."""
         self._dispatch_open = False
+        self._wake_all(self._space)  # a follower's triggers never wait for room
         workers, self._workers = self._workers, set()
-        if workers:
-            await self._cancel(workers)
+        self._cancel(workers)
+        return {task for task in self._running.values() if not task.done()}
 
     # -- small helpers -----------------------------------------------------------
 
@@ -641,3 +755,20 @@ class Loop:
     def __repr__(self) -> str:
         s = self.stats()
         return f"<Loop {self._name} leader={s.is_leader} epoch={s.epoch} queued={s.queued}>"
+
+
+def _declared_ttl(elector: object) -> LeaseTTL:
+    """The elector's declared lease TTL, coerced to :class:`LeaseTTL`, or a ConfigError."""
+    if not isinstance(elector, ElectorWithTTL):
+        raise ConfigError(
+            f"leader {elector!r} does not declare its lease ttl (a `ttl` property: the "
+            "ElectorWithTTL protocol); without it the Loop cannot step down before the lease "
+            "expires for the other replicas"
+        )
+    ttl = elector.ttl
+    if isinstance(ttl, LeaseTTL):
+        return ttl
+    try:
+        return LeaseTTL(ttl)
+    except ConfigError as exc:
+        raise ConfigError(f"leader {elector!r} declares an invalid ttl: {exc}") from None

@@ -12,12 +12,11 @@ import datetime
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import yaml
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -47,15 +46,6 @@ ElectorFactory = Callable[..., KubernetesLeaseElector]
 
 def leases_path(namespace: str) -> str:
     return f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
-
-
-@pytest_asyncio.fixture
-async def api(kube: Any) -> AsyncIterator[Any]:
-    client = kube.api_client()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 @pytest.fixture
@@ -380,7 +370,7 @@ async def test_the_epoch_never_goes_back_when_the_lease_is_deleted_and_recreated
     fenced = MemoryFencedRepository()
     assert await fenced.apply_fenced("device-1", 7, {"on": True})
     newcomer = elector()
-    newcomer.use_epoch_floor(fenced.highest_epoch)
+    newcomer.use_epoch_floor(RID, fenced.highest_epoch)
     token = await newcomer.acquire_lease(RID)
     assert token.epoch == 8
     lease = await read_lease(kube, kube_namespace)
@@ -599,7 +589,7 @@ async def test_takeover_of_a_lease_recreated_elsewhere_never_goes_below_the_floo
     }
     await client.CoordinationV1Api(api).create_namespaced_lease(kube_namespace, manifest)
     newcomer = elector()
-    newcomer.use_epoch_floor(fenced.highest_epoch)  # what a Loop registers
+    newcomer.use_epoch_floor(RID, fenced.highest_epoch)  # what a Loop registers
     token = await newcomer.acquire_lease(RID)
     assert token.epoch == 8
 

@@ -18,6 +18,7 @@ import pytest_asyncio
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
+from kopf_reconcile.leader.protocol import LeaseEpochExhausted
 from support import eventually, fenced_loop
 
 RECONCILER = "devices"
@@ -49,13 +50,13 @@ async def test_a_new_row_starts_above_the_floor(
     embedded_postgres_dsn: str, repo: PostgresFencedRepository
 ) -> None:
     async with PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as elector:
-        elector.use_epoch_floor(repo.highest_epoch)
+        elector.use_epoch_floor(RECONCILER, repo.highest_epoch)
         assert (await elector.acquire_lease(RECONCILER)).epoch == 8
 
     await delete_lease_row(embedded_postgres_dsn)
     assert await repo.apply_fenced("dev-1", 8, {"v": 2})  # the store moved on meanwhile
     async with PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as newcomer:
-        newcomer.use_epoch_floor(repo.highest_epoch)
+        newcomer.use_epoch_floor(RECONCILER, repo.highest_epoch)
         token = await newcomer.acquire_lease(RECONCILER)
         assert token.epoch == 9
         assert await repo.apply_fenced("dev-1", token.epoch, {"v": 3})
@@ -69,7 +70,7 @@ async def test_a_recreated_table_starts_above_the_floor(
         await elector.acquire_lease(RECONCILER)
     await execute(embedded_postgres_dsn, "DROP TABLE kopf_reconcile_lease")
     async with PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as newcomer:
-        newcomer.use_epoch_floor(repo.highest_epoch)
+        newcomer.use_epoch_floor(RECONCILER, repo.highest_epoch)
         assert (await newcomer.acquire_lease(RECONCILER)).epoch == 8
 
 
@@ -105,10 +106,11 @@ async def test_an_unavailable_floor_fails_the_acquisition_and_creates_nothing(
         return "7"  # type: ignore[return-value]
 
     async with PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as elector:
-        elector.use_epoch_floor(unavailable)
+        elector.use_epoch_floor(RECONCILER, unavailable)
         with pytest.raises(ConnectionError):
             await elector.acquire_lease(RECONCILER)
-        elector.use_epoch_floor(not_an_int)
+        elector.drop_epoch_floor(RECONCILER, unavailable)
+        elector.use_epoch_floor(RECONCILER, not_an_int)
         with pytest.raises(TypeError, match="not an int"):
             await elector.acquire_lease(RECONCILER)
         await elector.migrate()
@@ -118,7 +120,7 @@ async def test_an_unavailable_floor_fails_the_acquisition_and_creates_nothing(
     finally:
         await connection.close()
     with pytest.raises(kr.ConfigError, match="async callable"):
-        elector.use_epoch_floor(7)  # type: ignore[arg-type]
+        elector.use_epoch_floor(RECONCILER, 7)  # type: ignore[arg-type]
 
 
 async def test_a_loop_registers_its_fenced_store_as_the_floor(
@@ -168,3 +170,36 @@ async def test_a_recreated_row_never_reuses_an_epoch_held_before_any_write(
                 await eventually(lambda: b.stats().is_leader)
                 assert b.stats().epoch > held  # never the epoch A still holds
                 await eventually(lambda: not a.stats().is_leader)  # and A learns it lost
+
+
+async def test_a_row_edited_to_the_bigint_bound_is_refused_and_deleting_it_repairs(
+    embedded_postgres_dsn: str,
+) -> None:
+    bound = 2**63 - 1
+    async with (
+        PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as holder,
+        PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as survivor,
+    ):
+        await holder.acquire_lease(RECONCILER)
+        await execute(embedded_postgres_dsn, f"UPDATE kopf_reconcile_lease SET epoch = {bound}")
+        with pytest.raises(kr.LeaseContended):  # the survivor sees, and remembers, the epoch
+            await survivor.acquire_lease(RECONCILER)
+        await execute(embedded_postgres_dsn, "UPDATE kopf_reconcile_lease SET expires_at = now()")
+        with pytest.raises(LeaseEpochExhausted, match="DELETE FROM"):
+            await survivor.acquire_lease(RECONCILER)
+        await delete_lease_row(embedded_postgres_dsn)  # the repair the message names
+        assert (await survivor.acquire_lease(RECONCILER)).epoch == 1
+
+
+async def test_a_row_below_the_floor_is_raised_above_it_on_takeover(
+    embedded_postgres_dsn: str, repo: PostgresFencedRepository
+) -> None:
+    """A lease row restored at epoch 1 while the scope has seen 7: the next holder leads at 8."""
+    async with PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as old:
+        await old.release_lease(await old.acquire_lease(RECONCILER))
+    await execute(embedded_postgres_dsn, "UPDATE kopf_reconcile_lease SET epoch = 1")
+    async with PostgresLeaseElector(embedded_postgres_dsn, ttl=TTL) as newcomer:
+        newcomer.use_epoch_floor(RECONCILER, repo.highest_epoch)
+        token = await newcomer.acquire_lease(RECONCILER)
+        assert token.epoch == 8
+        await newcomer.renew_lease(token)  # the raised epoch is the one the row holds

@@ -6,7 +6,6 @@ Every test gets a database of its own on the session's PostgreSQL server.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +19,7 @@ from kopf_reconcile.config import ConfigError
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.tenancy import MalformedEntityId, Tenancy
-from kopf_reconcile.testing import EmbeddedPostgres
+from kopf_reconcile.testing import EmbeddedPostgres, audit
 
 # What a lost or refused connection looks like from asyncpg.
 CONNECTION_ERRORS = (
@@ -123,20 +122,7 @@ async def test_concurrent_writers_never_apply_an_older_epoch_after_a_newer_one(d
     try:
         await repo.migrate()
         # The audit trail: every write the database actually applied, in order.
-        await pool.execute(
-            f"""
-            CREATE TABLE fence_audit (
-                seq bigserial PRIMARY KEY, entity_id text, epoch bigint, state jsonb);
-            CREATE FUNCTION record_fenced_write() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                INSERT INTO fence_audit (entity_id, epoch, state)
-                VALUES (NEW.entity_id, NEW.last_epoch, NEW.state);
-                RETURN NEW;
-            END $$;
-            CREATE TRIGGER audit AFTER INSERT OR UPDATE ON {FENCE}
-                FOR EACH ROW EXECUTE FUNCTION record_fenced_write();
-            """
-        )
+        await audit.install(dsn)
 
         async def writer(entity: str, epoch: int) -> list[tuple[int, int]]:
             accepted = []
@@ -151,13 +137,12 @@ async def test_concurrent_writers_never_apply_an_older_epoch_after_a_newer_one(d
             outcomes = await asyncio.gather(*(writer(entity, epoch) for epoch in epochs))
             applied[entity] = {write for accepted in outcomes for write in accepted}
 
-        audit = await pool.fetch("SELECT entity_id, epoch, state FROM fence_audit ORDER BY seq")
+        audit.assert_no_stale_writes(await audit.history(dsn))
+        trails = await audit.applied_writes(dsn)
         for entity in entities:
-            trail = [row for row in audit if row["entity_id"] == entity]
-            trail_epochs = [row["epoch"] for row in trail]
-            assert trail_epochs == sorted(trail_epochs), f"{entity}: epoch went back {trail_epochs}"
+            trail = trails[entity]
             # Exactly the writes reported as accepted were applied, each once.
-            recorded = [(row["epoch"], _decode(row["state"])["n"]) for row in trail]
+            recorded = [(epoch, state["n"]) for epoch, state in trail]
             assert len(recorded) == len(set(recorded)) and set(recorded) == applied[entity]
             # The highest epoch is never rejected, and its last write is what remains.
             highest = max(epochs)
@@ -169,10 +154,6 @@ async def test_concurrent_writers_never_apply_an_older_epoch_after_a_newer_one(d
     finally:
         await repo.close()
         await pool.close()
-
-
-def _decode(state: str) -> dict[str, Any]:
-    return dict(json.loads(state))
 
 
 # -- SQL mutations ------------------------------------------------------------------
@@ -365,7 +346,7 @@ async def test_scope_and_tenant_come_from_the_bound_loop(dsn: str) -> None:
     assert rows == [("devices", "team-a/x", "_notenant"), ("gadgets", "team-a/x", "team-a")]
 
 
-def test_binding_to_a_second_loop_is_refused_unless_the_scope_is_explicit() -> None:
+def test_binding_to_a_second_loop_is_refused_even_with_an_explicit_scope() -> None:
     repo = PostgresFencedRepository("postgresql://localhost/db")
     repo.bind_loop(reconciler_id="devices", tenancy=Tenancy.SINGLE_TENANT)
     repo.bind_loop(reconciler_id="devices", tenancy=Tenancy.SINGLE_TENANT)  # same loop again
@@ -373,12 +354,14 @@ def test_binding_to_a_second_loop_is_refused_unless_the_scope_is_explicit() -> N
     with pytest.raises(ConfigError, match="already bound"):
         repo.bind_loop(reconciler_id="gadgets", tenancy=Tenancy.SINGLE_TENANT)
 
+    # Two leases would number one scope's epochs: they would fence each other.
     shared = PostgresFencedRepository("postgresql://localhost/db", scope="shared")
     shared.bind_loop(reconciler_id="devices", tenancy=Tenancy.SINGLE_TENANT)
-    shared.bind_loop(reconciler_id="gadgets", tenancy=Tenancy.SINGLE_TENANT)
     assert shared.scope == "shared"
     with pytest.raises(ConfigError, match="already bound"):
-        shared.bind_loop(reconciler_id="gadgets", tenancy=Tenancy.TENANT_SCOPED)
+        shared.bind_loop(reconciler_id="gadgets", tenancy=Tenancy.SINGLE_TENANT)
+    with pytest.raises(ConfigError, match="already bound"):
+        shared.bind_loop(reconciler_id="devices", tenancy=Tenancy.TENANT_SCOPED)
 
 
 async def test_highest_epoch_is_the_maximum_within_the_scope(dsn: str) -> None:

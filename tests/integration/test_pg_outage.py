@@ -7,8 +7,9 @@ PostgreSQL is stopped while some entities are done, some are in the middle of
 a reconcile and the rest are queued. Every reconcile then fails with a
 connection error: a transient error, retried with backoff — not a dead
 letter, not a fenced write, and the lease (and so the epoch) is kept. Once
-PostgreSQL is back, every entity converges, and the audit trigger shows each
-entity's desired state applied exactly once, at the leader's epoch.
+PostgreSQL is back, every entity converges, and the audit triggers show each
+entity's desired state applied exactly once, at the leader's epoch, recorded
+as leading the scope before the first write, and no stale write.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ async def test_reconciles_back_off_during_an_outage_and_converge_after_it(
             await eventually(converged, message="every entity converges after the outage")
             assert loop.stats().dead_letters == 0
 
-    writes = await audit.applied_writes(dsn)
+    scope = loop.reconciler_id
+    writes = await audit.applied_writes(dsn, scope=scope)
     assert writes == {entity: [(epoch, desired_state(entity))] for entity in ENTITIES}
-    audit.assert_epochs_never_decrease(writes)
+    history = await audit.history(dsn, scope=scope)
+    audit.assert_no_stale_writes(history)
+    led = next(e.seq for e in history if isinstance(e, audit.Led) and e.epoch == epoch)
+    assert all(led < e.seq for e in history if isinstance(e, audit.Applied))

@@ -10,10 +10,13 @@ the old epoch before anything else in A can run; the database receives it and
 rejects it, the row keeps B's state, and A steps down. (A's Loop also sees at
 once that its renew deadline passed during the pause and cancels the reconcile,
 usually before the database's answer arrives: which of the two A notices first
-does not matter, the database is the guard.) Audit triggers on the fence table
-record every write that reached the database and every write applied: epochs
-per entity never decrease. Without the epoch condition in the repository's SQL
-this test fails: the row ends up holding A's late write.
+does not matter, the database is the guard.) Audit triggers record every fenced
+write statement, every write applied and every epoch recorded as leading the
+scope: exactly one write, A's, reached the database and applied nothing; B's
+epoch was recorded before B wrote; and no write was applied below an epoch that
+had led the scope (or below one its entity had seen). Without the epoch
+condition in the repository's SQL this test fails: the row ends up holding A's
+late write.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ async def test_a_paused_leaders_late_write_is_rejected_by_the_database(
                 took_over = await b.wait_for(event_is("leader", epoch=epoch + 1), TAKEOVER_BOUND)
                 await b.wait_for(event_is("wrote", epoch=epoch + 1), 5)
                 assert await fence.last_epoch(WORK) == epoch + 1
+                rejected_before = len(await audit.rejected_writes(fence_dsn))
                 resumed_from = len(a.events)
             finally:
                 a.signal(signal.SIGCONT)
@@ -90,9 +94,11 @@ async def test_a_paused_leaders_late_write_is_rejected_by_the_database(
             # The late write reaches the database, which rejects it; A steps down.
             await a.wait_for(event_is("follower"), 5, after=resumed_from)
             late = (epoch, pausing["mutation"])
-            await eventually(
-                lambda: _attempted(fence_dsn, late), message="the late write reached the database"
-            )
+
+            async def late_write_rejected() -> bool:
+                return len(await audit.rejected_writes(fence_dsn)) > rejected_before
+
+            await eventually(late_write_rejected, message="the late write reached the database")
             answers = [e for e in a.events[resumed_from:] if e["event"] == "answered"]
             assert all(not answer["accepted"] for answer in answers), answers
             assert not [e for e in a.events[resumed_from:] if e["event"] == "wrote"]
@@ -101,11 +107,16 @@ async def test_a_paused_leaders_late_write_is_rejected_by_the_database(
             assert await fence.last_epoch(WORK) == epoch + 1
             assert b.leading and b.leadership() == took_over  # never interrupted
 
-    applied = await audit.applied_writes(fence_dsn)
-    audit.assert_epochs_never_decrease(applied)
+    # Only A was ever behind: the one rejection is its late write. Rejected at the
+    # entity's row, the audit also has the row it proposed; rejected for the
+    # scope's epoch, it proposed none.
+    [rejected] = (await audit.rejected_writes(fence_dsn))[rejected_before:]
+    assert rejected.epoch is None or (rejected.epoch, rejected.state) == late, rejected
+    history = await audit.history(fence_dsn, scope=RECONCILER)
+    audit.assert_no_stale_writes(history)
+    led = next(e.seq for e in history if isinstance(e, audit.Led) and e.epoch == epoch + 1)
+    first = next(e.seq for e in history if isinstance(e, audit.Applied) and e.epoch == epoch + 1)
+    assert led < first, "B wrote before its epoch was recorded as leading the scope"
+    applied = await audit.applied_writes(fence_dsn, scope=RECONCILER)
     assert late not in applied[WORK]
     assert {e for e, _ in applied[WORK]} == {epoch, epoch + 1}
-
-
-async def _attempted(dsn: str, write: tuple[int, object]) -> bool:
-    return write in (await audit.attempted_writes(dsn)).get(WORK, [])

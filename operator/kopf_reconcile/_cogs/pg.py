@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import asyncpg
 
@@ -76,8 +76,13 @@ class Database:
         table: str,
         schema: Sequence[str],
         option: str = "dsn_or_pool",
+        server_settings: Mapping[str, str] | None = None,
     ) -> None:
-        """``table`` is the quoted name the advisory lock derives from; ``schema`` the DDL."""
+        """``table`` is the quoted name the advisory lock derives from; ``schema`` the DDL.
+
+        ``server_settings`` apply to every connection of a pool made from a DSN
+        (a borrowed pool keeps its own).
+        """
         self._dsn: str | None = None
         self._pool: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, asyncpg.Pool):
@@ -91,6 +96,7 @@ class Database:
                 f"got {type(dsn_or_pool).__name__} {shown!r}"
             )
         self._schema = tuple(schema)
+        self._server_settings = dict(server_settings or {})
         self._schema_lock_key = _advisory_key(f"kopf_reconcile schema {table}")
         self._schema_ready = False
         self._closed = False
@@ -140,7 +146,10 @@ class Database:
             raise RuntimeError(f"the PostgreSQL adapter for {self.describe()} is closed")
         if self._pool is None:
             self._pool = await asyncpg.create_pool(
-                self._dsn, min_size=POOL_MIN_SIZE, max_size=POOL_MAX_SIZE
+                self._dsn,
+                min_size=POOL_MIN_SIZE,
+                max_size=POOL_MAX_SIZE,
+                server_settings=self._server_settings or None,
             )
         return self._pool
 

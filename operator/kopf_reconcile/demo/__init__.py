@@ -55,11 +55,13 @@ def summary_lines(summary: Summary) -> list[str]:
         ("objects", summary.objects, ""),
         ("converged", summary.converged, "must equal objects"),
         ("failovers", len(summary.failovers), times),
-        ("stale writes rejected", summary.refused_locally + summary.rejected_by_database,
-         f"{summary.refused_locally} by the writer's epoch check, "
-         f"{summary.rejected_by_database} by the database"),
+        ("late writes refused", summary.refused_late,
+         "by the paused leader (its lease check, or the database's answer)"),
+        ("rejected by the database", summary.rejected_by_database,
+         "reached PostgreSQL, changed nothing (the direct write included)"),
         ("late reconciles cancelled", summary.cancelled, "by the lost lease"),
-        ("stale writes accepted", summary.stale_accepted, "must be 0"),
+        ("stale writes accepted", summary.stale_accepted,
+         "must be 0 (none below an epoch that led the scope)"),
         ("lost updates", summary.lost_updates, "must be 0"),
     ]  # fmt: skip
     lines = format_table(("", "value", "note"), rows)

@@ -1,24 +1,41 @@
-"""Monotonic-epoch fenced writes to PostgreSQL.
+"""Monotonic-epoch fenced writes to PostgreSQL, fenced per entity and per scope.
 
-:class:`PostgresFencedRepository` keeps one fence row per entity, keyed by
-``(scope, entity_id)``, recording the highest epoch that ever wrote to that
-entity (``last_epoch``), the entity's tenant, its state document and when it
-last changed. A write carrying ``epoch`` is applied only when
-``last_epoch <= epoch``, and then advances ``last_epoch`` to ``epoch``: a
-zombie leader that wakes up after one or more handovers carries a lower epoch
-than the highest one seen and every late write of it is rejected by the
-database itself, whatever the zombie believes about its lease.
+:class:`PostgresFencedRepository` keeps two tables:
+
+* ``<table>``: one fence row per entity, keyed by ``(scope, entity_id)``,
+  recording the highest epoch that ever wrote to that entity
+  (``last_epoch``), the entity's tenant, its state document and when it last
+  changed;
+* ``<table>_epochs``: one row per scope, the highest epoch that has *led*
+  it (recorded by the Loop before it dispatches, :meth:`record_epoch`), and
+  the reconciler whose lease numbers that scope's epochs.
+
+A write carrying ``epoch`` is applied only when ``epoch >= last_epoch`` of
+its entity **and** ``epoch >=`` the epoch recorded for its scope, and then
+advances ``last_epoch``. So a zombie leader that wakes up after one or more
+handovers is rejected by the database itself, for every entity of the scope,
+including entities the new leader has not written yet.
+
+Ordering. Every write takes a shared lock on its scope's row in
+``<table>_epochs`` (``SELECT … FOR SHARE``) and keeps it until it commits;
+recording an epoch updates that row, which waits for every write holding the
+lock. A write that started before the recording commits first (it was
+legitimate: the new leader had not led yet); a write that comes after waits
+for the recording, then reads the new epoch (PostgreSQL re-reads a row it
+waited to lock, in READ COMMITTED) and is rejected if it is older. No older
+write can commit after a newer epoch is recorded.
 
 Two kinds of mutation are fenced:
 
-* a JSON document (a mapping): stored as the entity's state in ONE statement,
-  ``INSERT … ON CONFLICT … DO UPDATE … WHERE last_epoch <= epoch RETURNING``,
-  accepted if and only if a row comes back;
+* a JSON document (a mapping): stored as the entity's state in ONE statement
+  (``WITH led AS (… FOR SHARE) INSERT … SELECT … WHERE epoch >= led
+  ON CONFLICT … DO UPDATE … WHERE last_epoch <= epoch RETURNING``), accepted
+  if and only if a row comes back;
 * an ``async def (connection) -> None`` callable, for the user's own tables:
   in one transaction the same statement checks and advances the fence (and
-  keeps the fence row locked), then the callable runs on that connection. A
-  stale epoch never runs the callable, and an error in it rolls everything
-  back, fence included.
+  keeps the fence row and the scope lock), then the callable runs on that
+  connection. A stale epoch never runs the callable, and an error in it rolls
+  everything back, fence included.
 
 A stale epoch is answered with ``False``; a lost connection, a timeout or any
 other database error propagates as an exception (a transient error for the
@@ -27,15 +44,36 @@ statement on the server and rolls back its transaction; like a lost reply, a
 cancelled document write may still have been applied if the server finished
 it first — it then carried a current epoch, so fencing still holds.
 
+Bounded waits. A writer paused inside a callable mutation (a stopped process,
+a hung ``await``) keeps its transaction, its row lock and its scope lock.
+So every transaction of this repository (SQL mutations, epoch recordings)
+runs with ``lock_timeout`` (how long a statement waits for a lock),
+``statement_timeout`` and ``idle_in_transaction_session_timeout`` (the server
+aborts a transaction whose client went silent, and with it the paused
+writer's late commit): a pool made from a DSN gets them on every connection,
+a borrowed pool per transaction. A document write on a borrowed pool is one
+statement, which a paused client cannot hold open: it finishes on the server
+as soon as the locks it waits for are free (their holders are bounded as
+above). The whole :meth:`apply_fenced` call is bounded by ``write_timeout``
+on the client side too.
+Defaults: 5 s, 30 s, 10 s and 30 s; a new leader's :meth:`record_epoch` behind
+a paused writer therefore fails within ``lock_timeout`` (the Loop retries) and
+succeeds once the server has aborted the paused transaction.
+
 Scope: a repository given to a Loop is bound to it (:meth:`bind_loop`) and
-scopes its rows by the Loop's reconciler id unless ``scope=`` was given, so
-two reconcilers sharing a table never fence each other; used alone, the scope
-is ``"default"``. The tenant stored with each row comes from the Loop's
+scopes its rows by the Loop's reconciler id unless ``scope=`` was given; used
+alone, the scope is ``"default"``. One scope is numbered by one lease: a
+repository is bound to one reconciler only, and :meth:`record_epoch` refuses
+(:class:`~kopf_reconcile.ConfigError`) a scope already led under another
+reconciler's lease, since two independent epoch sequences would fence each
+other (or let one lease's zombie through the other's fence). The tenant
+stored with each row comes from the Loop's
 :class:`~kopf_reconcile.tenancy.Tenancy` (``_notenant`` when single-tenant).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 from collections.abc import Mapping
@@ -45,14 +83,20 @@ import asyncpg
 
 from kopf_reconcile._cogs.closing import AsyncClosing
 from kopf_reconcile._cogs.pg import Database, qualified_table
-from kopf_reconcile.config import ConfigError
+from kopf_reconcile.config import ConfigError, Duration, positive_seconds
+from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.tenancy import Tenancy
 
 __all__ = ["DEFAULT_FENCE_TABLE", "DEFAULT_SCOPE", "PostgresFencedRepository"]
 
 DEFAULT_FENCE_TABLE = "kopf_reconcile_fence"
 DEFAULT_SCOPE = "default"
+DEFAULT_LOCK_TIMEOUT = 5.0  # a statement waits this long for a row or scope lock
+DEFAULT_STATEMENT_TIMEOUT = 30.0  # one statement of a fenced write, the user's SQL included
+DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT = 10.0  # a silent client's transaction is aborted then
+DEFAULT_WRITE_TIMEOUT = 30.0  # one apply_fenced call, end to end
 _MAX_EPOCH = 2**63 - 1  # bigint
+_STILL_VALID = "SELECT 1"  # fails (InFailedSQLTransactionError) in an aborted transaction
 # Compact, and strict: PostgreSQL's jsonb rejects NaN and Infinity.
 _JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
@@ -69,8 +113,17 @@ class PostgresFencedRepository(AsyncClosing):
         dsn_or_pool: str | asyncpg.Pool,
         table: str = DEFAULT_FENCE_TABLE,
         scope: str | None = None,
+        *,
+        lock_timeout: Duration = DEFAULT_LOCK_TIMEOUT,
+        statement_timeout: Duration = DEFAULT_STATEMENT_TIMEOUT,
+        idle_in_transaction_timeout: Duration = DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT,
+        write_timeout: Duration = DEFAULT_WRITE_TIMEOUT,
     ) -> None:
-        """Rows live in ``table``; ``scope`` defaults to the bound Loop's reconciler id."""
+        """Rows live in ``table``; ``scope`` defaults to the bound Loop's reconciler id.
+
+        The timeouts (seconds or timedelta) bound how long a paused or hung writer
+        can hold up another: see the module documentation.
+        """
         if scope is not None and (not isinstance(scope, str) or not scope):
             raise ConfigError(f"scope must be a non-empty string or None, got {scope!r}")
         self._table = qualified_table("table", table)
@@ -78,20 +131,36 @@ class PostgresFencedRepository(AsyncClosing):
         self._scope = scope if scope is not None else DEFAULT_SCOPE
         self._tenancy = Tenancy.SINGLE_TENANT
         self._bound_to: tuple[str, Tenancy] | None = None
+        self._write_timeout = positive_seconds("write_timeout", write_timeout)
+        # Server settings in milliseconds, as PostgreSQL reads a bare number.
+        self._settings = {
+            "lock_timeout": _milliseconds("lock_timeout", lock_timeout),
+            "statement_timeout": _milliseconds("statement_timeout", statement_timeout),
+            "idle_in_transaction_session_timeout": _milliseconds(
+                "idle_in_transaction_timeout", idle_in_transaction_timeout
+            ),
+        }
         # The epochs that led each scope, recorded before they write (see record_epoch).
         self._epochs = qualified_table("table", f"{table}_epochs")
         self._database = Database(
             dsn_or_pool,
             table=self._table,
-            schema=[_schema(self._table), _epochs_schema(self._epochs)],
+            schema=[_schema(self._table), *_epochs_schema(self._epochs)],
+            server_settings=self._settings,
         )
-        # The fence check and advance: inserting a new entity always succeeds; an
-        # existing row is updated only when its epoch is not higher than ours. A
-        # callable mutation passes a NULL state, which keeps the stored one.
+        self._scopes_ready: set[str] = set()
+        # The fence check and advance. The CTE share-locks the scope's epoch row
+        # until commit (ordering this write with any recording of a new epoch) and
+        # reads the epoch that led the scope: below it, no row is proposed at all.
+        # A new entity is then inserted; an existing row is updated only when its
+        # epoch is not higher than ours. A callable mutation passes a NULL state,
+        # which keeps the stored one.
         self._cas_sql = f"""
+            WITH led AS (SELECT epoch FROM {self._epochs} WHERE scope = $1 FOR SHARE)
             INSERT INTO {self._table} AS fence
                 (scope, entity_id, tenant, last_epoch, state, updated_at)
-            VALUES ($1, $2, $3, $4, $5::jsonb, now())
+            SELECT $1, $2, $3, $4, $5::jsonb, now()
+             WHERE $4 >= coalesce((SELECT epoch FROM led), 0)
             ON CONFLICT (scope, entity_id) DO UPDATE
                SET last_epoch = EXCLUDED.last_epoch,
                    state = COALESCE(EXCLUDED.state, fence.state),
@@ -99,6 +168,9 @@ class PostgresFencedRepository(AsyncClosing):
              WHERE fence.last_epoch <= $4
             RETURNING true
         """
+        self._scope_row_sql = (
+            f"INSERT INTO {self._epochs} (scope, epoch) VALUES ($1, 0) ON CONFLICT DO NOTHING"
+        )
         self._state_sql = (
             f"SELECT state::text FROM {self._table} WHERE scope = $1 AND entity_id = $2"
         )
@@ -110,18 +182,31 @@ class PostgresFencedRepository(AsyncClosing):
                 (SELECT coalesce(max(last_epoch), 0) FROM {self._table} WHERE scope = $1),
                 (SELECT coalesce(max(epoch), 0) FROM {self._epochs} WHERE scope = $1))
         """
+        # Raising the scope's epoch takes its row exclusively: it waits for every
+        # write holding the share lock. The first lease to record names the scope's
+        # epoch sequence; another lease is refused by the caller.
         self._record_sql = f"""
-            INSERT INTO {self._epochs} AS led (scope, epoch) VALUES ($1, $2)
-            ON CONFLICT (scope) DO UPDATE SET epoch = GREATEST(led.epoch, EXCLUDED.epoch)
+            INSERT INTO {self._epochs} AS led (scope, epoch, lease) VALUES ($1, $2, $3)
+            ON CONFLICT (scope) DO UPDATE
+               SET epoch = GREATEST(led.epoch, EXCLUDED.epoch),
+                   lease = EXCLUDED.lease
+             WHERE led.lease IS NULL OR led.lease = EXCLUDED.lease
+            RETURNING epoch
         """
+        self._scope_lease_sql = f"SELECT lease FROM {self._epochs} WHERE scope = $1"
+        self._local_settings_sql = (
+            "SELECT set_config('lock_timeout', $1, true),"
+            " set_config('statement_timeout', $2, true),"
+            " set_config('idle_in_transaction_session_timeout', $3, true)"
+        )
 
     # -- configuration ---------------------------------------------------------
 
     def bind_loop(self, *, reconciler_id: str, tenancy: Tenancy) -> None:
         """Called by the Loop this repository is given to: adopt its scope and tenancy.
 
-        Binding again to the same reconciler is a no-op; sharing one repository
-        between Loops is refused unless an explicit ``scope`` makes it safe.
+        Binding again to the same reconciler is a no-op; binding to another one is
+        refused, explicit scope or not: one scope's epochs come from one lease.
         """
         if not isinstance(reconciler_id, str) or not reconciler_id:
             raise ConfigError(f"reconciler_id must be a non-empty string, got {reconciler_id!r}")
@@ -129,12 +214,12 @@ class PostgresFencedRepository(AsyncClosing):
             raise ConfigError(f"tenancy must be a Tenancy, got {tenancy!r}")
         if self._bound_to is not None and self._bound_to != (reconciler_id, tenancy):
             bound_id, bound_tenancy = self._bound_to
-            if self._explicit_scope is None or bound_tenancy is not tenancy:
-                raise ConfigError(
-                    f"this PostgresFencedRepository is already bound to reconciler "
-                    f"{bound_id!r} ({bound_tenancy.value}); cannot bind it to {reconciler_id!r} "
-                    f"({tenancy.value}): give each Loop its own repository"
-                )
+            raise ConfigError(
+                f"this PostgresFencedRepository (scope {self._scope!r}) is already bound to "
+                f"reconciler {bound_id!r} ({bound_tenancy.value}); cannot bind it to "
+                f"{reconciler_id!r} ({tenancy.value}): each reconciler's lease numbers its own "
+                f"epochs, so give each Loop its own repository and scope"
+            )
         self._bound_to = (reconciler_id, tenancy)
         self._tenancy = tenancy
         if self._explicit_scope is None:
@@ -151,24 +236,29 @@ class PostgresFencedRepository(AsyncClosing):
         return self._table
 
     async def migrate(self) -> None:
-        """Create the table if it does not exist (idempotent, safe across processes)."""
+        """Create the tables if they do not exist (idempotent, safe across processes)."""
         await self._database.migrate()
 
     # -- the fenced write ------------------------------------------------------
 
     async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
-        """Apply ``mutation`` if ``epoch >= last_epoch`` of the entity; ``False`` if stale."""
+        """Apply ``mutation`` if ``epoch`` is current for the entity and its scope.
+
+        ``False`` when the entity or the scope has seen a higher epoch.
+        """
         tenant = self._tenant_of(entity_id)
         _check_epoch(epoch)
         if isinstance(mutation, Mapping):
             document = _json_document(entity_id, mutation)
-            pool = await self._database.pool()
-            accepted = await pool.fetchval(
-                self._cas_sql, self._scope, entity_id, tenant, epoch, document
-            )
+            async with asyncio.timeout(self._write_timeout):
+                pool = await self._ready_pool()
+                accepted = await pool.fetchval(
+                    self._cas_sql, self._scope, entity_id, tenant, epoch, document
+                )
             return accepted is not None
         if callable(mutation):
-            return await self._apply_callable(entity_id, tenant, epoch, mutation)
+            async with asyncio.timeout(self._write_timeout):
+                return await self._apply_callable(entity_id, tenant, epoch, mutation)
         raise TypeError(
             f"unsupported fenced mutation type {type(mutation).__qualname__} for entity "
             f"{entity_id!r}: expected a JSON document (a mapping) or an "
@@ -176,9 +266,10 @@ class PostgresFencedRepository(AsyncClosing):
         )
 
     async def _apply_callable(self, entity_id: str, tenant: str, epoch: int, mutation: Any) -> bool:
-        pool = await self._database.pool()
+        pool = await self._ready_pool()
         try:
             async with pool.acquire() as connection, connection.transaction():
+                await self._bound_transaction(connection)
                 accepted = await connection.fetchval(
                     self._cas_sql, self._scope, entity_id, tenant, epoch, None
                 )
@@ -192,9 +283,45 @@ class PostgresFencedRepository(AsyncClosing):
                         f"async callable taking an asyncpg connection"
                     )
                 await outcome
+                # A mutation that caught an SQL error left the transaction aborted, and
+                # COMMIT would then roll back without a word: make that an error here.
+                await connection.execute(_STILL_VALID)
         except _Rejected:
             return False
         return True
+
+    async def record_epoch(self, epoch: int) -> None:
+        """Record that ``epoch`` leads this scope, after every write already in flight.
+
+        From then on no write below ``epoch`` is accepted for any entity of the
+        scope; :meth:`highest_epoch` covers it too, so an elector whose lease
+        record was deleted never hands the same epoch to a second leader. Raises
+        :class:`StaleEpochError` when the scope was already led at a higher epoch,
+        and :class:`~kopf_reconcile.ConfigError` when the scope's epochs come from
+        another reconciler's lease.
+        """
+        _check_epoch(epoch)
+        lease = self._bound_to[0] if self._bound_to is not None else self._scope
+        pool = await self._ready_pool()
+        async with pool.acquire() as connection, connection.transaction():
+            await self._bound_transaction(connection)
+            led = await connection.fetchval(self._record_sql, self._scope, epoch, lease)
+            owner = (
+                None
+                if led is not None
+                else await connection.fetchval(self._scope_lease_sql, self._scope)
+            )
+        if led is None:
+            raise ConfigError(
+                f"fenced scope {self._scope!r} of {self._table} is numbered by the lease of "
+                f"reconciler {owner!r}, not {lease!r}: two leases' epochs would fence each "
+                f"other; give this reconciler its own scope"
+            )
+        if int(led) > epoch:
+            raise StaleEpochError(
+                f"epoch {epoch} cannot lead fenced scope {self._scope!r}: it was already led "
+                f"at epoch {led}"
+            )
 
     # -- readers -------------------------------------------------------------
 
@@ -210,19 +337,8 @@ class PostgresFencedRepository(AsyncClosing):
         epoch = await pool.fetchval(self._epoch_sql, self._scope, entity_id)
         return None if epoch is None else int(epoch)
 
-    async def record_epoch(self, epoch: int) -> None:
-        """Record that ``epoch`` leads this scope, before it writes anything.
-
-        :meth:`highest_epoch` then covers it, so an elector whose lease record was
-        deleted never hands the same epoch to a second leader. Kept per scope in
-        the table ``<table>_epochs``, and only ever raised.
-        """
-        _check_epoch(epoch)
-        pool = await self._database.pool()
-        await pool.execute(self._record_sql, self._scope, epoch)
-
     async def highest_epoch(self) -> int:
-        """The highest epoch recorded in this scope (0 if none).
+        """The highest epoch recorded or written in this scope (0 if none).
 
         An elector whose own epoch counter can be lost (a deleted Kubernetes
         Lease) seeds a new counter from this so epochs never go backwards. It
@@ -242,6 +358,30 @@ class PostgresFencedRepository(AsyncClosing):
             f"<PostgresFencedRepository table={self._table} scope={self._scope!r} "
             f"at {self._database.describe()}>"
         )
+
+    async def _ready_pool(self) -> asyncpg.Pool:
+        """The pool, with this scope's epoch row in place (the row writes share-lock).
+
+        Without the row, a write would lock nothing and could not be ordered with
+        the scope's first recorded epoch.
+        """
+        pool = await self._database.pool()
+        scope = self._scope
+        if scope not in self._scopes_ready:
+            await pool.execute(self._scope_row_sql, scope)
+            self._scopes_ready.add(scope)
+        return pool
+
+    async def _bound_transaction(self, connection: asyncpg.Connection) -> None:
+        """Apply the timeouts to this transaction (a borrowed pool has its own settings)."""
+        if not self._database.owns_pool:
+            settings = self._settings
+            await connection.fetchrow(
+                self._local_settings_sql,
+                settings["lock_timeout"],
+                settings["statement_timeout"],
+                settings["idle_in_transaction_session_timeout"],
+            )
 
     def _tenant_of(self, entity_id: str) -> str:
         if not isinstance(entity_id, str):
@@ -265,13 +405,31 @@ def _schema(table: str) -> str:
     """
 
 
-def _epochs_schema(table: str) -> str:
-    return f"""
+def _epochs_schema(table: str) -> list[str]:
+    return [
+        f"""
         CREATE TABLE IF NOT EXISTS {table} (
             scope text   PRIMARY KEY,
-            epoch bigint NOT NULL CHECK (epoch >= 0)
+            epoch bigint NOT NULL CHECK (epoch >= 0),
+            lease text
         )
-    """
+        """,
+        # Tables made before the lease column existed. Checked first: even with IF NOT
+        # EXISTS, ALTER TABLE takes an exclusive lock that would queue behind every write
+        # in flight, and every later write behind it, at each start of a replica.
+        f"""
+        DO $$ BEGIN
+            IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{table}'::regclass
+                           AND attname = 'lease' AND NOT attisdropped) THEN
+                ALTER TABLE {table} ADD COLUMN lease text;
+            END IF;
+        END $$
+        """,
+    ]
+
+
+def _milliseconds(option: str, value: Duration) -> str:
+    return str(max(1, round(positive_seconds(option, value) * 1000)))
 
 
 def _check_epoch(epoch: object) -> None:

@@ -12,15 +12,23 @@ id and tells its owner (the Loop) when it starts and stops leading:
   when the last successful renewal was *sent*, never by comparing clocks of
   two machines — or the elector says :class:`LeaseLost`, step down at once;
 * before leading, an optional confirmation runs (the Loop records the epoch in
-  its fenced store, then renews once): an epoch is never used before the
-  store knows it, so an elector whose lease record was deleted and recreated
-  cannot hand the same epoch to two leaders;
+  its fenced store), then the lease is renewed once and the deadline counts
+  from that renewal: an epoch is never used before the store knows it, so an
+  elector whose lease record was deleted and recreated cannot hand the same
+  epoch to two leaders. A confirmation that fails with a
+  :class:`~kopf_reconcile.ConfigError` (e.g. the fenced scope belongs to
+  another reconciler's lease) stops the control plane: retrying cannot help;
 * stepping down first stops the lease from counting as live (so no fenced
   write passes the local check), then lets the owner cancel its work, then
-  releases the lease when it may still hold it;
+  releases the lease when it may still hold it — but never while work it
+  guards still runs: the holder waits for that work only as long as the lease
+  can still be held (until a TTL after the last successful renewal was sent),
+  and if any is still running then, it lets the lease lapse instead
+  of releasing it, so no peer takes over while a reconcile of this process
+  still runs (client-go's ReleaseOnCancel contract);
 * :meth:`stop` lets an acquire in flight finish (cancelling it could lose a
   lease just taken, held for a whole TTL by a stopped process) and hands back
-  whatever is held.
+  whatever is held, by the same rule.
 
 The renew deadline must be shorter than the TTL, so a leader steps down before
 its lease can expire for the others.
@@ -34,7 +42,14 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
-from kopf_reconcile.leader.protocol import LeaderElector, LeaseContended, LeaseLost, LeaseToken
+from kopf_reconcile.config import ConfigError
+from kopf_reconcile.leader.protocol import (
+    LeaderElector,
+    LeaseContended,
+    LeaseLost,
+    LeaseToken,
+    ReleaseAwareElector,
+)
 from kopf_reconcile.metrics import BoundMetrics
 
 logger = logging.getLogger("kopf_reconcile.leader")
@@ -52,17 +67,19 @@ class LeaseHolder:
         reconciler_id: str,
         *,
         name: str,
+        ttl: float,
         renew_interval: float,
         renew_deadline: float,
         rng: random.Random,
         metrics: BoundMetrics,
         on_lead: Callable[[LeaseToken], None],
-        on_lose: Callable[[], Awaitable[None]],
+        on_lose: Callable[[], set[asyncio.Task[None]]],
         confirm: Callable[[LeaseToken], Awaitable[None]] | None = None,
     ) -> None:
         self._elector = elector
         self._reconciler_id = reconciler_id
         self._name = name
+        self._ttl = ttl
         self._renew_interval = renew_interval
         self._renew_deadline = renew_deadline
         self._rng = rng
@@ -74,10 +91,12 @@ class LeaseHolder:
         self._token: LeaseToken | None = None
         self._leading = False
         self._epoch = 0
-        self._valid_until = 0.0
+        self._valid_until = 0.0  # the local lease check: 0 once stepping down
+        self._lease_until = 0.0  # a TTL after the last successful renewal was sent
         self._acquiring = False
         self._stopping = False
         self._step_down_reason: str | None = None
+        self._refused: str | None = None  # why this lease can never lead (a ConfigError)
         self._recheck = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -108,8 +127,12 @@ class LeaseHolder:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"{self._name}: lease control plane")
 
-    async def stop(self) -> None:
-        """Stop acquiring and renewing; hand back the lease. The owner has drained its work."""
+    async def stop(self, guarded: set[asyncio.Task[None]] | None = None) -> None:
+        """Stop acquiring and renewing; hand back the lease once ``guarded`` work has ended.
+
+        ``guarded`` are the owner's cancelled reconciles that may still run; if one
+        outlives the lease, the lease lapses instead of being released.
+        """
         self._stopping = True
         self._give_up_locally()
         if self._task is not None:
@@ -117,8 +140,16 @@ class LeaseHolder:
                 await asyncio.wait({self._task}, timeout=self._renew_deadline)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self._release()
+        await self._release_when_done(guarded or set())
         self._m.leader.set(0)
+
+    def abandon(self) -> None:
+        """Stop at once, without releasing: the lease lapses after its TTL (a cancelled stop)."""
+        self._stopping = True
+        self._give_up_locally()
+        self._token = None
+        if self._task is not None:
+            self._task.cancel()
 
     # -- the control loop ----------------------------------------------------------
 
@@ -149,22 +180,64 @@ class LeaseHolder:
                 if self._stopping:  # acquired while stop() waited: hand it back
                     await self._release()
                     return
-                if await self._confirmed(token):
-                    self._lead(token, sent)
-                    await self._hold(token, sent)
+                confirmed = await self._confirmed(token, sent)
+                if confirmed is not None:
+                    self._lead(token, confirmed)
+                    await self._hold(token, confirmed)
+                elif self._refused is not None:
+                    return  # a configuration error: retrying cannot help
             self._acquiring = False
             retry = self._renew_interval * self._rng.uniform(1.0, ACQUIRE_RETRY_JITTER)
             if retry_after is not None:  # try again as the holder's lease runs out
                 retry = min(retry, max(retry_after, 0.0) + MIN_RETRY)
-            await asyncio.sleep(retry)
+                await self._wait_for_release(retry)
+            else:
+                await asyncio.sleep(retry)
 
-    async def _confirmed(self, token: LeaseToken) -> bool:
-        """Run the owner's confirmation (record the epoch, then re-check the lease)."""
+    async def _wait_for_release(self, retry: float) -> None:
+        """Sleep ``retry`` seconds, or less when the elector reports a release."""
+        elector = self._elector
+        if not isinstance(elector, ReleaseAwareElector):
+            await asyncio.sleep(retry)
+            return
+        started = self._clock()
+        try:
+            async with asyncio.timeout(retry):
+                await elector.wait_for_release(self._reconciler_id)
+        except TimeoutError:
+            return
+        except Exception as exc:
+            # A failed wait is no news of a release: wait out the retry period.
+            logger.debug("%s: waiting for a release failed: %r", self._name, exc)
+            await asyncio.sleep(max(0.0, retry - (self._clock() - started)))
+            return
+        # Never spin: an elector that wakes at once costs one attempt per MIN_RETRY.
+        await asyncio.sleep(max(0.0, MIN_RETRY - (self._clock() - started)))
+
+    async def _confirmed(self, token: LeaseToken, sent: float) -> float | None:
+        """Run the owner's confirmation (record the epoch), then re-check the lease.
+
+        Returns when the last renewal that counts was sent (the lease's deadline runs
+        from there), or ``None`` when this epoch must not lead.
+        """
         if self._confirm is None:
-            return True
+            return sent
         try:
             async with asyncio.timeout(self._renew_deadline):
                 await self._confirm(token)
+                renewed = self._clock()
+                await self._elector.renew_lease(token)
+        except ConfigError as exc:
+            self._refused = str(exc)
+            logger.error(
+                "%s cannot lead %s, and stops trying: %s",
+                self._name,
+                self._reconciler_id,
+                exc,
+                extra={"controller": self._name},
+            )
+            await self._release()
+            return None
         except LeaseLost as exc:
             self._token = None
             logger.warning(
@@ -175,7 +248,7 @@ class LeaseHolder:
                 exc,
                 extra={"controller": self._name},
             )
-            return False
+            return None
         except Exception as exc:
             self._m.lease_errors.inc()
             logger.warning(
@@ -187,12 +260,13 @@ class LeaseHolder:
                 extra={"controller": self._name},
             )
             await self._release()
-            return False
-        return True
+            return None
+        return renewed
 
     def _lead(self, token: LeaseToken, sent: float) -> None:
         self._epoch = token.epoch
         self._valid_until = sent + self._renew_deadline
+        self._lease_until = sent + self._ttl
         self._step_down_reason = None
         self._recheck.clear()
         self._leading = True
@@ -244,6 +318,7 @@ class LeaseHolder:
                 )
             else:
                 last_ok = sent
+                self._lease_until = sent + self._ttl
                 if self._step_down_reason is None:
                     self._valid_until = sent + self._renew_deadline
                 self._m.lease_renew.observe(self._clock() - sent)
@@ -258,9 +333,9 @@ class LeaseHolder:
             reason,
             extra={"controller": self._name, "epoch": self._epoch},
         )
-        await self._on_lose()
+        running = self._on_lose()
         if release:
-            await self._release()
+            await self._release_when_done(running)
         self._token = None
 
     def _give_up_locally(self) -> None:
@@ -268,6 +343,35 @@ class LeaseHolder:
         self._leading = False
         self._valid_until = 0.0
         self._m.leader.set(0)
+
+    async def _release_when_done(self, guarded: set[asyncio.Task[None]]) -> None:
+        """Release once ``guarded`` work has ended, if that happens while the lease is live.
+
+        Otherwise keep quiet and let the lease lapse: a peer takes over only after
+        the TTL, never at once while this process may still be inside a reconcile.
+        (Releasing after the work ended is safe at any time; waiting past the TTL
+        is pointless, the lease may be someone else's by then.)
+        """
+        if self._token is None:
+            return
+        pending = {task for task in guarded if not task.done()}
+        if pending:
+            remaining = self._lease_until - self._clock()
+            if remaining > 0:
+                _, pending = await asyncio.wait(pending, timeout=remaining)
+        if pending:
+            logger.error(
+                "%s: %d reconcile(s) still run after cancellation; not releasing lease %s "
+                "(epoch %d): it lapses after its ttl instead",
+                self._name,
+                len(pending),
+                self._reconciler_id,
+                self._epoch,
+                extra={"controller": self._name, "epoch": self._epoch},
+            )
+            self._token = None
+            return
+        await self._release()
 
     async def _release(self) -> None:
         token = self._token

@@ -8,7 +8,8 @@ It follows client-go's ``LeaseLock`` model:
 * acquire creates the Lease, or takes over one that is free (released) or
   expired, by replacing it with the ``metadata.resourceVersion`` (and ``uid``)
   last read: of two processes racing for it, one gets 409 Conflict and
-  reports contention. A holder that finds the Lease still naming it keeps it.
+  reports contention. A holder that finds the Lease still naming it keeps it
+  only at the epoch it holds (see "Edited Leases" below).
 * renew replaces the Lease with a fresh ``renewTime``, again conditional on
   the version last read. When that fails with 409 the Lease is read again:
   if it still names this holder at the same epoch (an unrelated edit, or this
@@ -16,6 +17,12 @@ It follows client-go's ``LeaseLock`` model:
   once; otherwise the lease is lost. Other errors are transient.
 * release empties ``holderIdentity`` and sets ``leaseDurationSeconds`` to 1,
   keeping the transitions, so the next acquirer takes over at once.
+* a follower learns of that at once: :meth:`KubernetesLeaseElector.wait_for_release`
+  watches the Lease (a field-selected watch of the collection) from the
+  ``resourceVersion`` it last read, until it is released, changes hands or is
+  deleted, rather than waiting for its next retry. A follower therefore needs
+  ``list`` and ``watch`` on Leases besides ``get``, ``create`` and ``update``;
+  without them it falls back to retrying every renew interval.
 
 Expiry is judged on this process's clock only: like client-go's
 ``observedTime``, the elector remembers each lease record (holder,
@@ -55,6 +62,22 @@ that is not acceptable, :class:`~kopf_reconcile.leader.postgres.PostgresLeaseEle
 the strong-fencing choice: its epoch lives in the same database as the
 fenced rows and is never reset.
 
+Edited Leases. Anyone allowed to update Leases can restore one from a backup
+(an older epoch, possibly still naming this holder) or set
+``spec.leaseTransitions`` to anything up to 2**31 - 1. A Lease that names this
+elector is therefore kept only at the epoch this elector holds, and only when
+no higher epoch is known; otherwise it is taken over like any change of holder,
+above every epoch known, and the takeover is logged. Refusing it instead would
+leave a restored Lease unusable until someone intervened; taking it over is
+always safe for fencing, since the new epoch is above everything that could
+have led. Epochs must fit in the int32 ``leaseTransitions``: when the next one
+would not, nothing is written and :class:`LeaseEpochExhausted` names the
+record at the bound (the Lease, or the fenced store's epochs) and how to
+repair it; by handovers alone no fleet ever gets there. An epoch at the bound
+that this process only remembers, and that neither the Lease nor the floor
+shows any more (the Lease was deleted as the error advises), is forgotten
+rather than blocking every later takeover until a restart.
+
 Leader election is not fencing: a process paused past its lease still
 believes it leads until it wakes up. The epoch, checked by the fenced
 repository, is what rejects its late writes.
@@ -67,10 +90,13 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
+import json
+import logging
 import os
 import time
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import load_incluster_config, load_kube_config
@@ -81,17 +107,27 @@ from kopf_reconcile._cogs.closing import AsyncClosing
 from kopf_reconcile._cogs.identity import unique_holder_id
 from kopf_reconcile.config import ConfigError, Duration
 from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
-from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
+from kopf_reconcile.leader.protocol import (
+    LeaseContended,
+    LeaseEpochExhausted,
+    LeaseLost,
+    LeaseToken,
+    LeaseTTL,
+)
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
     "MANAGED_BY",
     "MANAGED_BY_LABEL",
+    "MAX_EPOCH",
     "RECONCILER_LABEL",
     "KubernetesLeaseElector",
+    "LeaseEpochExhausted",
     "format_micro_time",
     "lease_duration_seconds",
 ]
+
+logger = logging.getLogger("kopf_reconcile.leader")
 
 DEFAULT_LEASE_TTL = LeaseTTL(15)  # client-go's LeaseDuration default
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -105,12 +141,19 @@ Lease = dict[str, Any]
 _COLLECTION = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 _ITEM = _COLLECTION + "/{name}"
 _MAX_INT32 = 2**31 - 1
+#: The highest epoch a Lease can carry: ``spec.leaseTransitions`` is an int32.
+MAX_EPOCH = _MAX_INT32
 _MAX_LABEL_VALUE = 63
 _LABEL_DIGEST = 10
 # A Lease deleted between our read and our write is read again this many times.
 _ACQUIRE_READS = 3
 # After a 409, renew and release read the Lease again and retry once if it is still ours.
 _OWN_WRITE_ATTEMPTS = 2
+# A watch told its resourceVersion is too old (410) lists the Lease and watches again, once.
+_WATCH_ATTEMPTS = 2
+_GONE = "410 Gone"
+# A watch connection silent this much longer than the watch's own timeout is dead.
+_WATCH_SLACK = 5.0
 
 
 def format_micro_time(moment: datetime.datetime) -> str:
@@ -187,6 +230,11 @@ class KubernetesLeaseElector(AsyncClosing):
         self._closed = False
         self._observed: dict[str, _Observation] = {}
         self._epochs = EpochMemory()
+        # The epoch this elector holds or last held per lease (set before writing it,
+        # so a takeover whose answer was lost is still recognised as ours).
+        self._held: dict[str, int] = {}
+        # Until then (monotonic), followers do not watch: watching failed (see wait_for_release).
+        self._watch_backoff_until = 0.0
 
     @property
     def holder_id(self) -> str:
@@ -203,9 +251,13 @@ class KubernetesLeaseElector(AsyncClosing):
         """Where the Leases live; ``None`` until first use when it comes from the configuration."""
         return self._namespace
 
-    def use_epoch_floor(self, source: EpochFloor) -> None:
+    def use_epoch_floor(self, reconciler_id: str, source: EpochFloor) -> None:
         """Seed Leases this elector creates above ``await source()`` (the highest epoch used)."""
-        self._epochs.use_floor(source)
+        self._epochs.use_floor(reconciler_id, source)
+
+    def drop_epoch_floor(self, reconciler_id: str, source: EpochFloor) -> None:
+        """Forget ``source`` as the floor of ``reconciler_id`` if it is the one registered."""
+        self._epochs.drop_floor(reconciler_id, source)
 
     # -- the LeaderElector protocol ---------------------------------------------
 
@@ -220,10 +272,11 @@ class KubernetesLeaseElector(AsyncClosing):
             spec = _spec(lease)
             holder = spec.get("holderIdentity") or ""
             now = _wall_clock()
-            if holder == self._holder_id:  # still ours (e.g. after a failed release): keep it
+            if holder == self._holder_id and await self._still_ours(reconciler_id, lease):
+                # Still ours at the epoch we hold (e.g. after a failed release): keep it.
                 update: Lease = {"renewTime": format_micro_time(now)}
             else:
-                if holder:
+                if holder and holder != self._holder_id:
                     remaining = self._remaining(reconciler_id, lease)
                     if remaining >= 0:
                         raise LeaseContended(
@@ -235,7 +288,20 @@ class KubernetesLeaseElector(AsyncClosing):
                 # A change of holder; never below an epoch this process saw before, nor
                 # below the floor (the Lease may have been recreated by someone else,
                 # e.g. re-applied from a manifest, restarting its transitions).
-                epoch = await self._epochs.next_epoch(reconciler_id, _transitions(lease))
+                epoch = await self._next_epoch(reconciler_id, _transitions(lease))
+                if holder == self._holder_id:
+                    logger.warning(
+                        "%s names this holder (%s) at epoch %d, but it last took epoch %s "
+                        "and epochs up to %d are known: the Lease was edited or restored "
+                        "from a backup; taking it over as a new holder at epoch %d",
+                        self._where(reconciler_id),
+                        self._holder_id,
+                        _transitions(lease),
+                        self._held.get(reconciler_id, "none"),
+                        epoch - 1,
+                        epoch,
+                    )
+                self._held[reconciler_id] = epoch
                 update = {
                     "holderIdentity": self._holder_id,
                     "acquireTime": format_micro_time(now),
@@ -248,7 +314,10 @@ class KubernetesLeaseElector(AsyncClosing):
                 if exc.status == 409:
                     raise LeaseContended(
                         f"{self._where(reconciler_id)} changed while {self._holder_id!r} was "
-                        f"taking it over (another process won the race)"
+                        f"taking it over (another process won the race)",
+                        # The winner's record is new to us: a whole lease duration (and a
+                        # retry_after lets the caller wait for a release rather than sleep).
+                        retry_after=self._duration,
                     ) from None
                 if exc.status == 404:
                     continue  # deleted meanwhile: read again, then create it
@@ -269,6 +338,115 @@ class KubernetesLeaseElector(AsyncClosing):
         }
         with contextlib.suppress(LeaseLost):  # not ours any more: nothing to give up
             await self._write_own(token, update)
+
+    # -- followers: waiting for a release ---------------------------------------------
+
+    async def wait_for_release(self, reconciler_id: str) -> None:
+        """Return when the Lease last read is released, changes hands or is deleted.
+
+        The Lease is watched from the ``resourceVersion`` this elector last read
+        for it, so a release between that read and the start of the watch is seen
+        too; the holder's renewals do not wake it. Returns at once when that read
+        found no holder, or found nothing. A 410 (the version left the server's
+        watch window) is answered as an informer would: list the Lease, judge it,
+        and watch from the list's version, once. Other failures (an error status,
+        a refused or dropped connection, an error event) propagate or return,
+        and for one lease duration this elector then does not watch: followers
+        wait out their own retry period, so a watch that keeps failing never
+        turns into an acquire attempt every few milliseconds. Cancelling the
+        wait closes the HTTP response.
+        """
+        observed = self._observed.get(reconciler_id)
+        if observed is None or not observed.record[0]:
+            return
+        holder, version = observed.record[0], observed.record[2]
+        pause = self._watch_backoff_until - time.monotonic()
+        if pause > 0:
+            await asyncio.sleep(pause)
+            return
+        try:
+            failure = await self._watch(reconciler_id, holder, version)
+        except (ApiException, aiohttp.ClientError, OSError, ValueError) as exc:
+            self._stop_watching(reconciler_id, repr(exc))
+            raise
+        if failure is not None:
+            self._stop_watching(reconciler_id, failure)
+
+    async def _watch(self, reconciler_id: str, holder: str, version: str) -> str | None:
+        """``None`` once the Lease was released, changed hands or went; else why not known."""
+        for _ in range(_WATCH_ATTEMPTS):
+            failure = await self._watch_from(reconciler_id, holder, version)
+            if failure != _GONE:
+                return failure
+            # The version is too old to watch from: where is the Lease now?
+            listed = await self._request(
+                "GET", _COLLECTION, reconciler_id, query=_named(reconciler_id)
+            )
+            items = listed.get("items") or []
+            if not items or _holder(items[0]) != holder:
+                return None
+            version = str((listed.get("metadata") or {}).get("resourceVersion") or "")
+        return "the watch kept answering 410 Gone"
+
+    async def _watch_from(self, reconciler_id: str, holder: str, version: str) -> str | None:
+        """Watch the Lease from ``version``: ``None`` when it changed as awaited, else why not."""
+        api = await self._client()
+        namespace = await self._resolved_namespace()
+        started = time.monotonic()
+        query = [
+            *_named(reconciler_id),
+            ("watch", "1"),
+            ("resourceVersion", version),
+            ("timeoutSeconds", str(self._duration)),
+        ]
+        response = await api.call_api(
+            _COLLECTION,
+            "GET",
+            path_params={"namespace": namespace},
+            query_params=query,
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            # No total timeout: the server ends the watch (timeoutSeconds); a connection
+            # that goes silent for longer than that is dead.
+            _request_timeout=aiohttp.ClientTimeout(
+                sock_connect=self._ttl.seconds, sock_read=self._duration + _WATCH_SLACK
+            ),
+        )
+        if not isinstance(response, aiohttp.ClientResponse):
+            raise TypeError(f"a watch of {self._where(reconciler_id)} answered {response!r}")
+        try:  # closed however this ends, cancellation included (no await in between)
+            if response.status == 410:
+                return _GONE
+            if response.status != 200:
+                text = (await response.text())[:500]
+                raise ApiException(status=response.status, reason=f"{response.reason}: {text}")
+            async for line in response.content:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        return _GONE
+                    return f"the watch answered {obj.get('code')}: {obj.get('message')}"
+                if kind == "DELETED" or (kind in ("ADDED", "MODIFIED") and _holder(obj) != holder):
+                    return None
+        finally:
+            response.close()
+        if time.monotonic() - started >= self._duration / 2:
+            return None  # the server ended it at timeoutSeconds: worth an attempt anyway
+        return "the watch ended early"
+
+    def _stop_watching(self, reconciler_id: str, why: str) -> None:
+        self._watch_backoff_until = time.monotonic() + self._duration
+        logger.warning(
+            "watching %s for a release failed (%s); for %d s followers only retry every "
+            "renew interval",
+            self._where(reconciler_id),
+            why,
+            self._duration,
+        )
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -301,7 +479,8 @@ class KubernetesLeaseElector(AsyncClosing):
         return lease
 
     async def _create(self, reconciler_id: str) -> LeaseToken:
-        epoch = await self._epochs.next_epoch(reconciler_id)
+        epoch = await self._next_epoch(reconciler_id)
+        self._held[reconciler_id] = epoch
         now = _wall_clock()
         namespace = await self._resolved_namespace()
         body = {
@@ -325,7 +504,8 @@ class KubernetesLeaseElector(AsyncClosing):
         except ApiException as exc:
             if exc.status == 409:
                 raise LeaseContended(
-                    f"{self._where(reconciler_id)} was created by another process meanwhile"
+                    f"{self._where(reconciler_id)} was created by another process meanwhile",
+                    retry_after=self._duration,
                 ) from None
             raise
         self._observe(reconciler_id, created)
@@ -374,7 +554,12 @@ class KubernetesLeaseElector(AsyncClosing):
         raise LeaseLost(f"{self._where(rid)} keeps changing under {token.holder_id!r}")
 
     async def _request(
-        self, method: str, path: str, reconciler_id: str, body: Lease | None = None
+        self,
+        method: str,
+        path: str,
+        reconciler_id: str,
+        body: Lease | None = None,
+        query: list[tuple[str, str]] | None = None,
     ) -> Lease:
         api = await self._client()
         namespace = await self._resolved_namespace()
@@ -382,6 +567,7 @@ class KubernetesLeaseElector(AsyncClosing):
             path,
             method,
             path_params={"namespace": namespace, "name": reconciler_id},
+            query_params=query,
             header_params={"Accept": "application/json", "Content-Type": "application/json"},
             body=body,
             response_types_map={200: "object", 201: "object"},
@@ -408,6 +594,70 @@ class KubernetesLeaseElector(AsyncClosing):
         else:
             previous.lease = lease
         self._epochs.saw(reconciler_id, _transitions(lease))
+
+    async def _still_ours(self, reconciler_id: str, lease: Lease) -> bool:
+        """Whether a Lease naming this holder is at the epoch it holds, with nothing known above.
+
+        Anything else was not left there by this elector: a Lease restored from a
+        backup (an older epoch), or one whose transitions were edited. Adopting
+        it would take the epoch backwards, or to wherever the edit put it; it is
+        taken over as a change of holder instead, above every epoch known.
+        """
+        transitions = _transitions(lease)
+        if self._held.get(reconciler_id) != transitions:
+            return False
+        return await self._epochs.next_epoch(reconciler_id, transitions) == transitions + 1
+
+    async def _next_epoch(self, reconciler_id: str, current: int = 0) -> int:
+        """The epoch of a change of holder: above ``current``, every epoch seen, and the floor.
+
+        It must fit in ``spec.leaseTransitions`` (an int32). When it does not only
+        because of an epoch this process saw earlier, one that neither the Lease
+        nor the floor shows any more, that memory is dropped (a Lease edited up to
+        the bound, then deleted as the error below advises, must not block every
+        takeover until each replica restarts): with a fenced store, every epoch
+        that ever led is at or below the floor, so nothing leads above it. When
+        the Lease itself or the floor is at the bound, nothing is written: the
+        :class:`LeaseEpochExhausted` says which record to repair, and how.
+        """
+        epoch = await self._epochs.next_epoch(reconciler_id, current)
+        if epoch <= MAX_EPOCH:
+            return epoch
+        epoch = await self._epochs.next_epoch(reconciler_id, current, with_seen=False)
+        if epoch <= MAX_EPOCH:
+            logger.warning(
+                "%s: this process saw an epoch for it that leaves no room below %d, which "
+                "neither the Lease nor the fenced store shows now (it was edited, then "
+                "repaired): forgetting it and continuing at epoch %d",
+                self._where(reconciler_id),
+                MAX_EPOCH,
+                epoch,
+            )
+            self._epochs.forget_seen(reconciler_id)
+            return epoch
+        raise LeaseEpochExhausted(self._exhausted(reconciler_id, current, floor=epoch - 1))
+
+    def _exhausted(self, reconciler_id: str, current: int, floor: int) -> str:
+        """Why no new epoch fits, and how to repair it."""
+        delete = f"kubectl delete lease -n {self._namespace} {reconciler_id}"
+        if current >= MAX_EPOCH:
+            return (
+                f"{self._where(reconciler_id)} shows spec.leaseTransitions {current}, the "
+                f"largest epoch a Lease can carry (an int32), so no replica can take it over "
+                f"at a new epoch. Epochs grow by one per change of holder: this value was "
+                f"written by hand or restored from elsewhere. Repair: delete the Lease "
+                f"({delete}); the next leader then starts above the highest epoch the fenced "
+                f"store recorded (if that is at the bound too, the next error says so)"
+            )
+        return (
+            f"the fenced store's highest epoch for {reconciler_id!r} is {floor}, so a new "
+            f"epoch of {self._where(reconciler_id)} would not fit in spec.leaseTransitions "
+            f"(at most {MAX_EPOCH}, an int32) and no replica can lead. No fleet gets there "
+            f"by handovers: the store's epoch record was written by hand or by a lease "
+            f"elsewhere. Repair, with every replica stopped: lower the epochs the fenced "
+            f"store keeps for this scope (for PostgresFencedRepository, its <table>_epochs "
+            f"row and the last_epoch of its <table> rows), then delete the Lease ({delete})"
+        )
 
     def _remaining(self, reconciler_id: str, lease: Lease) -> float:
         """Seconds until the observed record expires for this process (negative: expired)."""
@@ -504,6 +754,15 @@ def _service_account_namespace() -> str | None:
 def _spec(lease: Lease) -> Lease:
     spec = lease.get("spec")
     return spec if isinstance(spec, dict) else {}
+
+
+def _holder(lease: Lease) -> str:
+    return str(_spec(lease).get("holderIdentity") or "")
+
+
+def _named(reconciler_id: str) -> list[tuple[str, str]]:
+    """The query that selects the Lease of ``reconciler_id`` in a list or watch."""
+    return [("fieldSelector", f"metadata.name={reconciler_id}")]
 
 
 def _transitions(lease: Lease) -> int:

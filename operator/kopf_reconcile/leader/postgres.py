@@ -18,6 +18,11 @@ never both succeed:
 * release empties the holder and expires the lease now, so the next acquirer
   takes over at once (with the next epoch) instead of after the TTL. It is
   idempotent, and releasing a lease that was already lost is not an error.
+  The same statement notifies ``<table>_released`` (``pg_notify``), so the
+  notification goes out exactly when the release commits, and followers
+  waiting in :meth:`PostgresLeaseElector.wait_for_release` (LISTEN, on a
+  connection of their own, outside the pool) try at once instead of at their
+  next retry.
 
 A row can still disappear (deleted by hand, table dropped and recreated). A
 new row therefore never starts below an epoch already used: it starts one
@@ -41,26 +46,54 @@ per elector instance.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import datetime
+import hashlib
+import logging
+import time
 
 import asyncpg
 
 from kopf_reconcile._cogs.closing import AsyncClosing
 from kopf_reconcile._cogs.identity import unique_holder_id
-from kopf_reconcile._cogs.pg import Database, qualified_table
+from kopf_reconcile._cogs.pg import Database, is_postgres_url, qualified_table, redact_dsn
 from kopf_reconcile.config import ConfigError, Duration
 from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
-from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
+from kopf_reconcile.leader.protocol import (
+    LeaseContended,
+    LeaseEpochExhausted,
+    LeaseLost,
+    LeaseToken,
+    LeaseTTL,
+)
 
 __all__ = ["DEFAULT_LEASE_TABLE", "DEFAULT_LEASE_TTL", "PostgresLeaseElector"]
 
 DEFAULT_LEASE_TABLE = "kopf_reconcile_lease"
+MAX_EPOCH = 2**63 - 1  # bigint
 DEFAULT_LEASE_TTL = LeaseTTL(15)  # client-go's LeaseDuration default
 _FREE = ""  # holder_id of a released lease
+# A notification's payload is at most 8000 bytes: it carries the reconciler id cut to
+# this many characters (two ids alike that far only cost each other a spurious wake-up).
+_PAYLOAD_CHARS = 1000
+_MAX_CHANNEL = 63  # NAMEDATALEN - 1
+# Opening the listening connection gives up after this long (and then backs off).
+LISTEN_CONNECT_TIMEOUT = 5.0
+
+logger = logging.getLogger("kopf_reconcile.leader")
 
 
 class PostgresLeaseElector(AsyncClosing):
-    """A :class:`~kopf_reconcile.leader.protocol.LeaderElector` on a PostgreSQL table."""
+    """A :class:`~kopf_reconcile.leader.protocol.LeaderElector` on a PostgreSQL table.
+
+    Followers wait for releases on a connection of their own (see
+    :meth:`wait_for_release`), made from ``listen_dsn`` or else from the DSN
+    the elector was given. With a borrowed pool and no ``listen_dsn`` there is
+    none: followers then retry every renew interval. ``listen_dsn`` is also the
+    way around a pooler in transaction mode (PgBouncer), where LISTEN does not
+    work: point it at the server itself.
+    """
 
     def __init__(
         self,
@@ -68,26 +101,62 @@ class PostgresLeaseElector(AsyncClosing):
         ttl: LeaseTTL | Duration = DEFAULT_LEASE_TTL,
         holder_id: str | None = None,
         table: str = DEFAULT_LEASE_TABLE,
+        listen_dsn: str | None = None,
     ) -> None:
         """``holder_id`` defaults to ``POD_NAME`` (or the host name) plus a random suffix."""
         if holder_id is not None and (not isinstance(holder_id, str) or not holder_id):
             raise ConfigError(f"holder_id must be a non-empty string or None, got {holder_id!r}")
+        if listen_dsn is not None and not (
+            isinstance(listen_dsn, str) and is_postgres_url(listen_dsn)
+        ):
+            shown = redact_dsn(listen_dsn) if isinstance(listen_dsn, str) else listen_dsn
+            raise ConfigError(
+                f"listen_dsn must be a PostgreSQL DSN (postgresql://...) or None, got {shown!r}"
+            )
         self._ttl = ttl if isinstance(ttl, LeaseTTL) else LeaseTTL(ttl)
         self._holder_id = holder_id if holder_id is not None else unique_holder_id()
         self._table = qualified_table("table", table)
         self._database = Database(dsn_or_pool, table=self._table, schema=[_schema(self._table)])
         self._epochs = EpochMemory()
+        # Releases, heard on one listening connection per elector (see wait_for_release).
+        self._channel = _channel(self._table)
+        self._listen_dsn = (
+            listen_dsn
+            if listen_dsn is not None
+            else (dsn_or_pool if isinstance(dsn_or_pool, str) else None)
+        )
+        self._listener: asyncpg.Connection | None = None
+        self._listening = asyncio.Lock()
+        self._generation = 0  # how many times a listening connection was opened
+        self._heard: collections.Counter[str] = collections.Counter()  # releases per payload
+        self._heard_at_read: dict[str, tuple[int, int]] = {}  # generation and count per id
+        self._wakeup = asyncio.Event()  # replaced (after being set) on every change
+        self._listen_backoff_until = 0.0
+        self._closed = False
         # Take the row when it is free, expired, or already ours; a change of
         # holder bumps the epoch. $3 is the TTL in milliseconds.
+        # ``taken`` tells a change of holder (the floor is then consulted) from a
+        # holder finding its own lease again.
         self._take_sql = f"""
-            UPDATE {self._table}
-               SET epoch = CASE WHEN holder_id = $2 THEN epoch ELSE epoch + 1 END,
+            WITH before AS (
+                SELECT holder_id FROM {self._table} WHERE reconciler_id = $1 FOR UPDATE
+            )
+            UPDATE {self._table} AS lease
+               SET epoch = CASE WHEN lease.holder_id = $2 THEN epoch ELSE epoch + 1 END,
                    holder_id = $2,
                    acquired_at = now(),
                    renewed_at = now(),
                    expires_at = now() + $3::bigint * interval '1 millisecond'
-             WHERE reconciler_id = $1
-               AND (holder_id = $2 OR holder_id = '{_FREE}' OR expires_at <= now())
+              FROM before
+             WHERE lease.reconciler_id = $1
+               AND (lease.holder_id = $2 OR lease.holder_id = '{_FREE}'
+                    OR lease.expires_at <= now())
+            RETURNING epoch, acquired_at, expires_at, before.holder_id <> $2 AS taken
+        """
+        # A change of holder found below the floor: raise the epoch while it is still ours.
+        self._raise_sql = f"""
+            UPDATE {self._table} SET epoch = $4
+             WHERE reconciler_id = $1 AND holder_id = $2 AND epoch = $3
             RETURNING epoch, acquired_at, expires_at
         """
         # No row yet: create it at the seed epoch $4, unless another process just did.
@@ -106,10 +175,16 @@ class PostgresLeaseElector(AsyncClosing):
                AND expires_at > now()
             RETURNING expires_at
         """
+        # Release and notify in one statement: the notification goes out when, and
+        # only if, the release commits. $4 is the channel.
         self._release_sql = f"""
-            UPDATE {self._table}
-               SET holder_id = '{_FREE}', expires_at = now()
-             WHERE reconciler_id = $1 AND holder_id = $2 AND epoch = $3
+            WITH released AS (
+                UPDATE {self._table}
+                   SET holder_id = '{_FREE}', expires_at = now()
+                 WHERE reconciler_id = $1 AND holder_id = $2 AND epoch = $3
+                RETURNING reconciler_id
+            )
+            SELECT pg_notify($4, left(reconciler_id, {_PAYLOAD_CHARS})) FROM released
         """
         self._read_sql = f"""
             SELECT holder_id, epoch, expires_at, now() AS now
@@ -126,13 +201,17 @@ class PostgresLeaseElector(AsyncClosing):
         """How long a lease lasts without renewal."""
         return self._ttl
 
-    def use_epoch_floor(self, source: EpochFloor) -> None:
+    def use_epoch_floor(self, reconciler_id: str, source: EpochFloor) -> None:
         """Start new lease rows above ``await source()``, the highest epoch any process used.
 
         The source is awaited only when the row must be created; if it fails,
         acquiring fails (the Loop retries) rather than risking a lower epoch.
         """
-        self._epochs.use_floor(source)
+        self._epochs.use_floor(reconciler_id, source)
+
+    def drop_epoch_floor(self, reconciler_id: str, source: EpochFloor) -> None:
+        """Forget ``source`` as the floor of ``reconciler_id`` if it is the one registered."""
+        self._epochs.drop_floor(reconciler_id, source)
 
     async def migrate(self) -> None:
         """Create the lease table if it does not exist (idempotent, safe across processes)."""
@@ -144,19 +223,31 @@ class PostgresLeaseElector(AsyncClosing):
             raise ValueError(f"reconciler_id must be a non-empty string, got {reconciler_id!r}")
         pool = await self._database.pool()
         ttl = self._ttl.milliseconds
-        row = await pool.fetchrow(self._take_sql, reconciler_id, self._holder_id, ttl)
+        try:
+            row = await pool.fetchrow(self._take_sql, reconciler_id, self._holder_id, ttl)
+        except asyncpg.NumericValueOutOfRangeError:  # epoch + 1 past bigint: a tampered row
+            raise LeaseEpochExhausted(self._exhausted(reconciler_id, "its row")) from None
         if row is None:
-            current = await pool.fetchrow(self._read_sql, reconciler_id)
+            heard, current = await self._read_heard(pool, reconciler_id)
+            if current is not None and not self._is_listening():
+                # Contended: listen from now on, and read again, so that a release after
+                # the read is either heard or already counted (see wait_for_release).
+                await self._listen()
+                heard, current = await self._read_heard(pool, reconciler_id)
             if current is not None:
+                self._heard_at_read[reconciler_id] = heard
                 self._epochs.saw(reconciler_id, int(current["epoch"]))
                 remaining = (current["expires_at"] - current["now"]).total_seconds()
                 raise LeaseContended(_describe(reconciler_id, current), retry_after=remaining)
-            seed = await self._epochs.next_epoch(reconciler_id)
+            seed = await self._seed_epoch(reconciler_id)
             row = await pool.fetchrow(self._create_sql, reconciler_id, self._holder_id, ttl, seed)
             if row is None:
                 raise LeaseContended(
-                    f"lease {reconciler_id!r} was created by another process meanwhile"
+                    f"lease {reconciler_id!r} was created by another process meanwhile",
+                    retry_after=self._ttl.seconds,  # the caller may wait for its release
                 )
+        elif row["taken"]:
+            row = await self._above_the_floor(pool, reconciler_id, row)
         epoch = int(row["epoch"])
         self._epochs.saw(reconciler_id, epoch)
         return LeaseToken(
@@ -165,6 +256,54 @@ class PostgresLeaseElector(AsyncClosing):
             epoch=epoch,
             acquired_at=row["acquired_at"],
             expires_at=row["expires_at"],
+        )
+
+    async def _above_the_floor(
+        self, pool: asyncpg.Pool, reconciler_id: str, row: asyncpg.Record
+    ) -> asyncpg.Record:
+        """A row just taken over, with its epoch raised above the floor if it was below.
+
+        A row edited by hand, or restored, may carry an epoch below what the fenced
+        scope has led; the Loop would refuse to lead at it, and a step of one per
+        attempt could take hours to climb back.
+        """
+        epoch = int(row["epoch"])
+        wanted = await self._seed_epoch(reconciler_id, epoch - 1)
+        if wanted <= epoch:
+            return row
+        raised = await pool.fetchrow(self._raise_sql, reconciler_id, self._holder_id, epoch, wanted)
+        if raised is None:
+            raise LeaseContended(
+                f"lease {reconciler_id!r} was taken by another process while its epoch was "
+                f"raised from {epoch} to the floor",
+                retry_after=self._ttl.seconds,
+            )
+        return raised
+
+    async def _seed_epoch(self, reconciler_id: str, current: int = 0) -> int:
+        """The epoch of a change of holder: above ``current``, every epoch seen and the floor.
+
+        It must fit in a bigint. An epoch this process remembers but that neither a
+        row nor the floor shows any more (a row edited to the bound, then deleted to
+        repair it) is forgotten rather than blocking every takeover until each
+        replica restarts.
+        """
+        epoch = await self._epochs.next_epoch(reconciler_id, current)
+        if epoch <= MAX_EPOCH:
+            return epoch
+        epoch = await self._epochs.next_epoch(reconciler_id, current, with_seen=False)
+        if epoch <= MAX_EPOCH:
+            self._epochs.forget_seen(reconciler_id)
+            return epoch
+        raise LeaseEpochExhausted(self._exhausted(reconciler_id, "the fenced store's epochs"))
+
+    def _exhausted(self, reconciler_id: str, record: str) -> str:
+        return (
+            f"lease {reconciler_id!r} in {self._table} cannot take a new epoch: {record} "
+            f"reached {MAX_EPOCH}, the largest a bigint holds. No fleet gets there by "
+            f"handovers: it was written by hand. Repair, with every replica stopped: lower "
+            f"the fenced store's epochs for this scope if they are that high, then "
+            f"DELETE FROM {self._table} WHERE reconciler_id = '{reconciler_id}'"
         )
 
     async def renew_lease(self, token: LeaseToken) -> None:
@@ -185,19 +324,152 @@ class PostgresLeaseElector(AsyncClosing):
             )
 
     async def release_lease(self, token: LeaseToken) -> None:
-        """Give the lease up so the next acquirer takes over now. Idempotent."""
+        """Give the lease up so the next acquirer takes over now, and tell followers. Idempotent."""
         pool = await self._database.pool()
-        await pool.execute(self._release_sql, token.reconciler_id, token.holder_id, token.epoch)
+        await pool.execute(
+            self._release_sql, token.reconciler_id, token.holder_id, token.epoch, self._channel
+        )
+
+    async def wait_for_release(self, reconciler_id: str) -> None:
+        """Return when a holder releases the lease of ``reconciler_id`` (or may have).
+
+        :meth:`release_lease` notifies a channel of the lease table in the very
+        statement that releases. Followers hear it on one listening connection
+        per elector, opened by the first contended :meth:`acquire_lease` (which
+        then reads the row again, listening), kept, re-opened by the next one
+        after it is lost, and closed by :meth:`close`. A contended acquire
+        remembers how many releases of the lease had been heard when it read
+        the row, so this returns at once when one was heard since, or when the
+        connection was lost or re-opened since (a release may have gone
+        unheard); otherwise when one is heard. Expiries and deleted rows are
+        not notified: the caller's retry period covers them.
+
+        The connection is never taken from the pool: a follower waits for as
+        long as another replica leads, and a pool connection held that long
+        could starve the renewals of leases this elector holds and the fenced
+        writes sharing a (possibly small, borrowed) pool. Without a connection
+        (a borrowed pool and no ``listen_dsn``, or opening one failed: it is
+        retried one lease duration later), this waits out the lease duration.
+        """
+        listener = self._listener
+        if listener is None or listener.is_closed():
+            if self._may_listen():
+                return  # lost since the read: the next acquire listens again
+            await asyncio.sleep(self._ttl.seconds)
+            return
+        remembered = self._heard_at_read.get(reconciler_id)
+        if remembered is None or remembered[0] != self._generation:
+            return  # read before this connection listened: a release may have gone unheard
+        payload = _payload(reconciler_id)
+        while (
+            self._listener is listener
+            and self._is_listening()
+            and self._heard[payload] == remembered[1]
+        ):
+            await self._wakeup.wait()
 
     async def close(self) -> None:
-        """Close the pool if it was created from a DSN (a borrowed pool stays open)."""
+        """Close the listening connection, and the pool if it was created from a DSN."""
+        self._closed = True
+        listener, self._listener = self._listener, None
+        self._wake()
+        if listener is not None:
+            try:
+                await asyncio.wait_for(listener.close(), LISTEN_CONNECT_TIMEOUT)
+            except Exception:  # closing is best effort; the socket goes either way
+                listener.terminate()
         await self._database.close()
+
+    # -- the listening connection ------------------------------------------------------
+
+    async def _read_heard(
+        self, pool: asyncpg.Pool, reconciler_id: str
+    ) -> tuple[tuple[int, int], asyncpg.Record | None]:
+        """The row, and what had been heard before reading it (connection, releases)."""
+        heard = (self._generation, self._heard[_payload(reconciler_id)])
+        return heard, await pool.fetchrow(self._read_sql, reconciler_id)
+
+    def _is_listening(self) -> bool:
+        return self._listener is not None and not self._listener.is_closed()
+
+    def _may_listen(self) -> bool:
+        return (
+            self._listen_dsn is not None
+            and not self._closed
+            and time.monotonic() >= self._listen_backoff_until
+        )
+
+    async def _listen(self) -> None:
+        """Open the listening connection unless it is open; a failure is logged, never raised."""
+        if self._is_listening() or not self._may_listen():
+            return
+        async with self._listening:
+            if self._is_listening() or not self._may_listen():
+                return
+            dsn = self._listen_dsn
+            if dsn is None:  # _may_listen said no already; this narrows the type
+                return
+            connection: asyncpg.Connection | None = None
+            try:
+                connection = await asyncpg.connect(dsn, timeout=LISTEN_CONNECT_TIMEOUT)
+                await connection.add_listener(self._channel, self._heard_release)
+            except BaseException as exc:
+                if connection is not None:
+                    connection.terminate()
+                if not isinstance(exc, Exception):
+                    raise  # cancelled: let it through, with nothing left open
+                self._listen_backoff_until = time.monotonic() + self._ttl.seconds
+                logger.warning(
+                    "cannot listen for lease releases on channel %r at %s (%r); for %.0f s "
+                    "followers only retry every renew interval",
+                    self._channel,
+                    redact_dsn(dsn),
+                    exc,
+                    self._ttl.seconds,
+                )
+                return
+            connection.add_termination_listener(self._lost)
+            self._generation += 1
+            self._listener = connection
+            if self._closed:  # closed while connecting
+                self._listener = None
+                connection.terminate()
+
+    def _heard_release(
+        self, connection: asyncpg.Connection, pid: int, channel: str, payload: str
+    ) -> None:
+        self._heard[payload] += 1
+        self._wake()
+
+    def _lost(self, connection: asyncpg.Connection) -> None:
+        if connection is self._listener:
+            self._listener = None
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake every waiter; the next ones wait on a fresh event."""
+        wakeup, self._wakeup = self._wakeup, asyncio.Event()
+        wakeup.set()
 
     def __repr__(self) -> str:
         return (
             f"<PostgresLeaseElector holder={self._holder_id!r} table={self._table} "
             f"ttl={self._ttl.seconds}s at {self._database.describe()}>"
         )
+
+
+def _channel(table: str) -> str:
+    """The notification channel of a (quoted) lease table: ``<table>_released``, or a digest."""
+    plain = table.replace('"', "")
+    channel = f"{plain}_released"
+    if len(channel.encode()) <= _MAX_CHANNEL:
+        return channel
+    return f"kopf_reconcile_released_{hashlib.sha256(plain.encode()).hexdigest()[:16]}"
+
+
+def _payload(reconciler_id: str) -> str:
+    """What a release of ``reconciler_id`` notifies (the SQL's ``left(reconciler_id, N)``)."""
+    return reconciler_id[:_PAYLOAD_CHARS]
 
 
 def _describe(reconciler_id: str, row: asyncpg.Record | None) -> str:

@@ -8,12 +8,20 @@ monotonic :attr:`LeaseToken.epoch`, fed into every fenced write and checked by
 the database (see :mod:`kopf_reconcile.fencing`).
 
 Adapters implement :class:`LeaderElector`; the Loop depends only on this module.
+Besides the three lease calls, the Loop relies on capabilities an adapter
+declares by implementing a protocol below, never on attributes it happens to
+find: :class:`ElectorWithTTL` (required: the renew deadline is derived from
+the TTL, so a leader steps down before its lease can expire for others),
+:class:`FloorAwareElector` (a lease record that can be lost never restarts
+its epoch below one already used) and :class:`ReleaseAwareElector`
+(followers learn of a release at once instead of at their next retry).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
 from kopf_reconcile.config import ConfigError, Duration, seconds
@@ -38,6 +46,17 @@ class LeaseContended(LeaseError):
 
 class LeaseLost(LeaseError):
     """This holder no longer owns the lease (expired, released or taken over)."""
+
+
+class LeaseEpochExhausted(LeaseError):
+    """No new epoch fits in the lease store: a record of epochs is at the store's bound.
+
+    Epochs grow by one per change of holder, so no fleet reaches the bound (2**31 - 1
+    for a Kubernetes Lease, 2**63 - 1 for a PostgreSQL row) by handovers; a record
+    that high was written by hand or restored from elsewhere. No replica can lead
+    until it is repaired: the message says which record (the lease, the fenced
+    store's epochs) and how.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,4 +111,55 @@ class LeaderElector(Protocol):
 
     async def release_lease(self, token: LeaseToken) -> None:
         """Give the lease up so a peer takes over at once. Idempotent."""
+        ...
+
+
+#: An async source of the highest epoch any process used for one reconciler
+#: (a fenced store's ``highest_epoch``).
+EpochFloor = Callable[[], Awaitable[int]]
+
+
+@runtime_checkable
+class ElectorWithTTL(Protocol):
+    """An elector that declares how long its leases last without renewal.
+
+    Required by the Loop: its renew deadline (2/3 of the TTL) must end before
+    the lease can expire for the other replicas. A float or a timedelta is
+    coerced to :class:`LeaseTTL`.
+    """
+
+    @property
+    def ttl(self) -> LeaseTTL | float | datetime.timedelta: ...
+
+
+@runtime_checkable
+class FloorAwareElector(Protocol):
+    """An elector whose new lease records start above an epoch floor, per reconciler id.
+
+    A lease record can be lost (a Kubernetes Lease deleted, a row deleted); a
+    recreated one must not restart its epoch below one already used. The Loop
+    registers its fenced store's ``highest_epoch`` for its own reconciler id
+    when it starts and removes exactly that registration when it stops, so one
+    elector serves any number of Loops.
+    """
+
+    def use_epoch_floor(self, reconciler_id: str, source: EpochFloor) -> None:
+        """New epochs of ``reconciler_id`` start above ``await source()``."""
+        ...
+
+    def drop_epoch_floor(self, reconciler_id: str, source: EpochFloor) -> None:
+        """Forget ``source`` for ``reconciler_id`` if it is the one registered."""
+        ...
+
+
+@runtime_checkable
+class ReleaseAwareElector(Protocol):
+    """An elector that can tell a follower the moment a lease may have become free."""
+
+    async def wait_for_release(self, reconciler_id: str) -> None:
+        """Return when the lease of ``reconciler_id`` was released, deleted or changed hands.
+
+        May return early (a spurious wake-up costs one acquire attempt); the
+        caller bounds the wait with its own retry period. Errors propagate.
+        """
         ...

@@ -17,6 +17,7 @@ import datetime
 import itertools
 import time
 
+from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
 
 _holder_ids = itertools.count(1)
@@ -54,6 +55,7 @@ class MemoryLeaseElector:
     ) -> None:
         self.store = store
         self.ttl = ttl
+        self.lease_seconds = ttl.seconds  # what the store grants (``ttl`` is what is declared)
         self.holder_id = holder_id or f"memory-{next(_holder_ids)}"
         self.fail_renewals = 0  # the next N renewals raise a transient error
         self.hang_renewals = False  # renewals never answer
@@ -70,7 +72,7 @@ class MemoryLeaseElector:
         if lease.holder != self.holder_id or lease.expires <= now:
             lease.epoch += 1
         lease.holder = self.holder_id
-        lease.expires = now + self.ttl.seconds
+        lease.expires = now + self.lease_seconds
         return self._token(reconciler_id, lease)
 
     async def renew_lease(self, token: LeaseToken) -> None:
@@ -89,7 +91,7 @@ class MemoryLeaseElector:
             or lease.expires <= now
         ):
             raise LeaseLost(f"lease {token.reconciler_id} is no longer held by {self.holder_id}")
-        lease.expires = now + self.ttl.seconds
+        lease.expires = now + self.lease_seconds
 
     async def release_lease(self, token: LeaseToken) -> None:
         self.releases += 1
@@ -112,6 +114,9 @@ class MemoryLeaseElector:
 class MemoryFencedRepository:
     """A :class:`~kopf_reconcile.FencedRepository` keeping the state in a dict.
 
+    Fenced per entity and scope-wide, as the PostgreSQL repository: once an epoch is
+    recorded, no write below it is accepted for any entity.
+
     ``applied`` is an audit log of every accepted write: ``(entity_id, epoch, mutation)``.
     """
 
@@ -123,7 +128,7 @@ class MemoryFencedRepository:
 
     async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
         await asyncio.sleep(0)
-        if epoch < self.last_epochs.get(entity_id, -1):
+        if epoch < self.last_epochs.get(entity_id, -1) or epoch < self.recorded_epoch:
             return False
         self.last_epochs[entity_id] = epoch
         self.states[entity_id] = mutation
@@ -132,7 +137,9 @@ class MemoryFencedRepository:
 
     async def record_epoch(self, epoch: int) -> None:
         await asyncio.sleep(0)
-        self.recorded_epoch = max(self.recorded_epoch, epoch)
+        if self.recorded_epoch > epoch:
+            raise StaleEpochError(f"epoch {epoch} is below the recorded {self.recorded_epoch}")
+        self.recorded_epoch = epoch
 
     async def highest_epoch(self) -> int:
         return max([*self.last_epochs.values(), self.recorded_epoch])
