@@ -43,6 +43,11 @@ unit: $(STAMP)
 test: $(STAMP) tools lint real-apiserver
 	$(BIN)/python scripts/run_pytest.py
 
+# Deterministic simulation of replicas under a seeded nemesis (make test runs 1,000 schedules).
+SEEDS ?= 10000
+simulate: $(STAMP)
+	$(BIN)/python -m kopf_reconcile.testing.simulation --seeds $(SEEDS)
+
 bench: $(STAMP) tools
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 

@@ -10,6 +10,7 @@ lease TTL) are checked when the Loop starts. Every failure is a
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Self
 
 from kopf_reconcile.api import ReconcilerLike, as_reconcile_fn
@@ -93,6 +94,17 @@ class Builder:
     def with_stop_timeout(self, timeout: Duration) -> Self:
         """How long stop() lets in-flight reconciles finish. Default 30 s."""
         self._config.stop_timeout = seconds("stop timeout", timeout)
+        return self
+
+    def with_random(self, rng: random.Random) -> Self:
+        """The source of jitter (backoff, requeue, lease retries); seed it to replay a run.
+
+        Default: a fresh ``random.Random()``. Deterministic tests and simulations pass
+        a seeded one.
+        """
+        if not isinstance(rng, random.Random):
+            raise ConfigError(f"random must be a random.Random, got {rng!r}")
+        self._config.rng = rng
         return self
 
     def without_default_requeue(self) -> Self:

@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import re
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Self
 
@@ -177,8 +179,9 @@ class Loop:
         self._renew_deadline = 0.0
         self._ttl = 0.0
         # Tasks and waiters.
-        self._workers: set[asyncio.Task[None]] = set()
-        self._stragglers: set[asyncio.Task[None]] = set()
+        # Ordered (dicts, not sets): cancellations happen in one order, run after run.
+        self._workers: dict[asyncio.Task[None], None] = {}
+        self._stragglers: dict[asyncio.Task[None], None] = {}
         self._trigger_tasks: list[asyncio.Task[None]] = []
         self._idle: deque[asyncio.Future[None]] = deque()
         self._space: deque[asyncio.Future[None]] = deque()
@@ -286,7 +289,7 @@ class Loop:
                 self._timer.cancel()
             self._wake_all(self._idle)
             self._wake_all(self._space)
-            workers = self._workers | self._stragglers
+            workers = [*self._workers, *self._stragglers]
             if workers:
                 _, pending = await asyncio.wait(workers, timeout=limit)
                 if pending:
@@ -297,7 +300,7 @@ class Loop:
                         sorted(self._running),
                         extra={"controller": self._name},
                     )
-                    self._cancel(pending)
+                    self._cancel([task for task in workers if task in pending])
             self._dispatch_open = False
             if self._holder is not None:
                 # Stops counting as live first; releases only once no guarded work runs.
@@ -324,7 +327,7 @@ class Loop:
         self._dispatch_open = False
         for task in self._trigger_tasks:
             task.cancel()
-        self._cancel(self._workers | self._stragglers)
+        self._cancel([*self._workers, *self._stragglers])
         if self._holder is not None:
             self._holder.abandon()
         self._single_leading = False
@@ -497,11 +500,11 @@ class Loop:
         workers = self._workers
         for _ in range(self._config.concurrency - len(workers) - len(self._stragglers)):
             task = asyncio.create_task(self._work(), name=f"{self._name}: worker")
-            workers.add(task)
-            task.add_done_callback(workers.discard)
+            workers[task] = None
+            task.add_done_callback(functools.partial(_forget, workers))
 
     def _straggler_done(self, task: asyncio.Task[None]) -> None:
-        self._stragglers.discard(task)
+        self._stragglers.pop(task, None)
         if self._dispatch_open and not self._stopping:
             self._spawn_workers()  # its slot is free again
 
@@ -663,14 +666,14 @@ class Loop:
     def _lease_is_live(self, epoch: int) -> bool:
         return self._holder is None or self._holder.is_live(epoch)
 
-    def _cancel(self, tasks: set[asyncio.Task[None]]) -> None:
+    def _cancel(self, tasks: Iterable[asyncio.Task[None]]) -> None:
         """Cancel workers; until they end they are stragglers (holding their worker slots).
 
         Whoever cancels waits for them as the lease allows (the LeaseHolder, or stop()).
         """
         for task in tasks:
             if task not in self._stragglers:
-                self._stragglers.add(task)
+                self._stragglers[task] = None
                 task.add_done_callback(self._straggler_done)
             task.cancel()
 
@@ -720,7 +723,7 @@ class Loop:
         at this very epoch by someone who read the floor before.
         """
         assert self._recorder is not None
-        await self._recorder.record_epoch(token.epoch)
+        await self._recorder.record_epoch(token.epoch, token.holder_id)
 
     def _on_lead(self, token: LeaseToken) -> None:
         self._dispatch_open = True
@@ -731,7 +734,7 @@ class Loop:
         """Stop dispatching and cancel every reconcile; the ones still running are returned."""
         self._dispatch_open = False
         self._wake_all(self._space)  # a follower's triggers never wait for room
-        workers, self._workers = self._workers, set()
+        workers, self._workers = self._workers, {}
         self._cancel(workers)
         return {task for task in self._running.values() if not task.done()}
 
@@ -755,6 +758,10 @@ class Loop:
     def __repr__(self) -> str:
         s = self.stats()
         return f"<Loop {self._name} leader={s.is_leader} epoch={s.epoch} queued={s.queued}>"
+
+
+def _forget(tasks: dict[asyncio.Task[None], None], task: asyncio.Task[None]) -> None:
+    tasks.pop(task, None)
 
 
 def _declared_ttl(elector: object) -> LeaseTTL:

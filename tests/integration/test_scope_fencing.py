@@ -66,7 +66,7 @@ async def test_a_write_below_the_led_epoch_is_rejected_for_an_entity_never_writt
 ) -> None:
     async with PostgresFencedRepository(widgets, scope=SCOPE) as repo:
         assert await repo.apply_fenced("written-by-old", 1, {"v": "old"})
-        await repo.record_epoch(2)  # the new leader leads; it writes nothing yet
+        await repo.record_epoch(2, "leader")  # the new leader leads; it writes nothing yet
         mutation: object = {"v": "zombie"} if kind == "document" else inserting(1)
         assert await repo.apply_fenced("never-written", 1, mutation) is False
         assert await repo.apply_fenced("written-by-old", 1, mutation) is False
@@ -79,11 +79,21 @@ async def test_a_write_below_the_led_epoch_is_rejected_for_an_entity_never_writt
 
 async def test_recording_below_the_led_epoch_is_refused(dsn: str) -> None:
     async with PostgresFencedRepository(dsn, scope=SCOPE) as repo:
-        await repo.record_epoch(5)
-        await repo.record_epoch(5)  # the same leader confirming again
+        await repo.record_epoch(5, "leader")
+        await repo.record_epoch(5, "leader")  # the same leader confirming again
         with pytest.raises(kr.StaleEpochError, match="already led at epoch 5"):
-            await repo.record_epoch(4)
+            await repo.record_epoch(4, "leader")
         assert await repo.highest_epoch() == 5
+
+
+async def test_one_epoch_leads_for_one_holder_only(dsn: str) -> None:
+    """A lease record lost and recreated may hand epoch 9 to two holders: one leads."""
+    async with PostgresFencedRepository(dsn, scope=SCOPE) as repo:
+        await repo.record_epoch(9, "first")
+        await repo.record_epoch(9, "first")  # the same holder, confirming again
+        with pytest.raises(kr.StaleEpochError, match="already led by 'first'"):
+            await repo.record_epoch(9, "second")
+        await repo.record_epoch(10, "second")  # a higher epoch is another leadership
 
 
 async def test_a_write_in_flight_commits_before_the_new_epoch_is_recorded(widgets: str) -> None:
@@ -101,7 +111,7 @@ async def test_a_write_in_flight_commits_before_the_new_epoch_is_recorded(widget
     ):
         writing = asyncio.create_task(old.apply_fenced("x", 1, slow))
         await entered.wait()
-        recording = asyncio.create_task(new.record_epoch(2))
+        recording = asyncio.create_task(new.record_epoch(2, "leader"))
 
         async def recording_waits_for_a_lock() -> bool:
             waiting = await execute(
@@ -123,7 +133,7 @@ async def test_a_write_in_flight_commits_before_the_new_epoch_is_recorded(widget
 
 async def test_a_write_waiting_for_a_recording_reads_the_new_epoch(dsn: str) -> None:
     async with PostgresFencedRepository(dsn, scope=SCOPE) as repo:
-        await repo.record_epoch(1)
+        await repo.record_epoch(1, "leader")
         # A recording of epoch 2 in progress, holding the scope's epoch row.
         recorder = await asyncpg.connect(dsn)
         try:
@@ -155,9 +165,9 @@ async def test_a_scope_numbered_by_another_lease_is_refused(dsn: str) -> None:
     ):
         devices.bind_loop(reconciler_id="devices", tenancy=kr.Tenancy.SINGLE_TENANT)
         gadgets.bind_loop(reconciler_id="gadgets", tenancy=kr.Tenancy.SINGLE_TENANT)
-        await devices.record_epoch(3)
+        await devices.record_epoch(3, "leader")
         with pytest.raises(kr.ConfigError, match="numbered by the lease of reconciler 'devices'"):
-            await gadgets.record_epoch(9)
+            await gadgets.record_epoch(9, "leader")
         assert await devices.highest_epoch() == 3
 
 
@@ -183,13 +193,13 @@ async def test_a_writer_paused_in_its_transaction_does_not_hold_up_the_new_leade
             PostgresFencedRepository(source, scope=SCOPE, **FAST) as old,  # type: ignore[arg-type]
             PostgresFencedRepository(source, scope=SCOPE, **FAST) as new,  # type: ignore[arg-type]
         ):
-            await old.record_epoch(1)
+            await old.record_epoch(1, "leader")
             zombie = asyncio.create_task(old.apply_fenced("x", 1, stuck))
             await entered.wait()
 
             async def new_leader_records() -> bool:
                 try:
-                    await new.record_epoch(2)
+                    await new.record_epoch(2, "leader")
                 except (asyncpg.LockNotAvailableError, asyncpg.QueryCanceledError):
                     return False  # still behind the paused writer: the Loop retries
                 return True
@@ -250,7 +260,7 @@ async def test_an_elector_shared_by_two_loops_floors_each_from_its_own_scope(
     ):
         # Reconciler A's scope was led at epoch 7 by a process long gone; its lease is gone.
         repo_a.bind_loop(reconciler_id="reconciler-a", tenancy=kr.Tenancy.SINGLE_TENANT)
-        await repo_a.record_epoch(7)
+        await repo_a.record_epoch(7, "leader")
         a = fenced_loop(idle, elector, repo_a, "reconciler-a")
         b = fenced_loop(idle, elector, repo_b, "reconciler-b")
         await a.start()
@@ -321,7 +331,7 @@ async def test_a_scope_owned_by_another_lease_stops_the_loop_trying(dsn: str) ->
         Counting(dsn, ttl=3) as elector,
     ):
         owner.bind_loop(reconciler_id="devices", tenancy=kr.Tenancy.SINGLE_TENANT)
-        await owner.record_epoch(1)
+        await owner.record_epoch(1, "leader")
         loop = fenced_loop(idle, elector, intruder, "gadgets")
         async with loop:
             await eventually(lambda: bool(attempts))

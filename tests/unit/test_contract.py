@@ -92,6 +92,7 @@ def test_builder_options() -> None:
         "with_renew_interval",
         "with_intake_capacity",
         "with_stop_timeout",
+        "with_random",
         "without_default_requeue",
         "build",
     }

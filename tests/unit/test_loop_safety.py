@@ -413,9 +413,9 @@ class SlowElector(MemoryLeaseElector):
 class SlowRecorder(MemoryFencedRepository):
     delay = 0.0
 
-    async def record_epoch(self, epoch: int) -> None:
+    async def record_epoch(self, epoch: int, holder: str) -> None:
         await asyncio.sleep(self.delay)
-        await super().record_epoch(epoch)
+        await super().record_epoch(epoch, holder)
 
 
 async def test_the_deadline_of_a_new_leader_counts_from_its_confirming_renewal() -> None:

@@ -185,13 +185,18 @@ class PostgresFencedRepository(AsyncClosing):
         # Raising the scope's epoch takes its row exclusively: it waits for every
         # write holding the share lock. The first lease to record names the scope's
         # epoch sequence; another lease is refused by the caller.
+        # The holder that led at the current epoch is kept: a lease record lost and
+        # recreated can hand one epoch to two holders, and only the first may lead.
         self._record_sql = f"""
-            INSERT INTO {self._epochs} AS led (scope, epoch, lease) VALUES ($1, $2, $3)
+            INSERT INTO {self._epochs} AS led (scope, epoch, lease, holder)
+            VALUES ($1, $2, $3, $4)
             ON CONFLICT (scope) DO UPDATE
                SET epoch = GREATEST(led.epoch, EXCLUDED.epoch),
-                   lease = EXCLUDED.lease
+                   lease = EXCLUDED.lease,
+                   holder = CASE WHEN EXCLUDED.epoch > led.epoch OR led.holder IS NULL
+                                 THEN EXCLUDED.holder ELSE led.holder END
              WHERE led.lease IS NULL OR led.lease = EXCLUDED.lease
-            RETURNING epoch
+            RETURNING epoch, holder
         """
         self._scope_lease_sql = f"SELECT lease FROM {self._epochs} WHERE scope = $1"
         self._local_settings_sql = (
@@ -290,14 +295,15 @@ class PostgresFencedRepository(AsyncClosing):
             return False
         return True
 
-    async def record_epoch(self, epoch: int) -> None:
-        """Record that ``epoch`` leads this scope, after every write already in flight.
+    async def record_epoch(self, epoch: int, holder: str) -> None:
+        """Record that ``holder`` leads this scope at ``epoch``, after every write in flight.
 
         From then on no write below ``epoch`` is accepted for any entity of the
         scope; :meth:`highest_epoch` covers it too, so an elector whose lease
-        record was deleted never hands the same epoch to a second leader. Raises
+        record was deleted seeds a new one above it. Raises
         :class:`StaleEpochError` when the scope was already led at a higher epoch,
-        and :class:`~kopf_reconcile.ConfigError` when the scope's epochs come from
+        or at this epoch by another holder, and
+        :class:`~kopf_reconcile.ConfigError` when the scope's epochs come from
         another reconciler's lease.
         """
         _check_epoch(epoch)
@@ -305,22 +311,27 @@ class PostgresFencedRepository(AsyncClosing):
         pool = await self._ready_pool()
         async with pool.acquire() as connection, connection.transaction():
             await self._bound_transaction(connection)
-            led = await connection.fetchval(self._record_sql, self._scope, epoch, lease)
+            row = await connection.fetchrow(self._record_sql, self._scope, epoch, lease, holder)
             owner = (
                 None
-                if led is not None
+                if row is not None
                 else await connection.fetchval(self._scope_lease_sql, self._scope)
             )
-        if led is None:
+        if row is None:
             raise ConfigError(
                 f"fenced scope {self._scope!r} of {self._table} is numbered by the lease of "
                 f"reconciler {owner!r}, not {lease!r}: two leases' epochs would fence each "
                 f"other; give this reconciler its own scope"
             )
-        if int(led) > epoch:
+        if int(row["epoch"]) > epoch:
             raise StaleEpochError(
                 f"epoch {epoch} cannot lead fenced scope {self._scope!r}: it was already led "
-                f"at epoch {led}"
+                f"at epoch {row['epoch']}"
+            )
+        if row["holder"] != holder:
+            raise StaleEpochError(
+                f"epoch {epoch} of fenced scope {self._scope!r} was already led by "
+                f"{row['holder']!r}, not {holder!r}: its lease record was lost and recreated"
             )
 
     # -- readers -------------------------------------------------------------
@@ -409,19 +420,21 @@ def _epochs_schema(table: str) -> list[str]:
     return [
         f"""
         CREATE TABLE IF NOT EXISTS {table} (
-            scope text   PRIMARY KEY,
-            epoch bigint NOT NULL CHECK (epoch >= 0),
-            lease text
+            scope  text   PRIMARY KEY,
+            epoch  bigint NOT NULL CHECK (epoch >= 0),
+            lease  text,
+            holder text
         )
         """,
-        # Tables made before the lease column existed. Checked first: even with IF NOT
-        # EXISTS, ALTER TABLE takes an exclusive lock that would queue behind every write
-        # in flight, and every later write behind it, at each start of a replica.
+        # Tables made before the lease and holder columns existed. Checked first: even
+        # with IF NOT EXISTS, ALTER TABLE takes an exclusive lock that would queue behind
+        # every write in flight, and every later write behind it, at each replica's start.
         f"""
         DO $$ BEGIN
             IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{table}'::regclass
-                           AND attname = 'lease' AND NOT attisdropped) THEN
-                ALTER TABLE {table} ADD COLUMN lease text;
+                           AND attname = 'holder' AND NOT attisdropped) THEN
+                ALTER TABLE {table} ADD COLUMN IF NOT EXISTS lease text,
+                                    ADD COLUMN IF NOT EXISTS holder text;
             END IF;
         END $$
         """,

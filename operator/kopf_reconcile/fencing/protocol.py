@@ -42,12 +42,14 @@ class FencedRepository(Protocol):
 class EpochRecordingRepository(Protocol):
     """A repository that fences a whole scope from the epoch a leader records."""
 
-    async def record_epoch(self, epoch: int) -> None:
-        """Record that ``epoch`` leads the scope, after every write already in flight.
+    async def record_epoch(self, epoch: int, holder: str) -> None:
+        """Record that ``holder`` leads the scope at ``epoch``, after every write in flight.
 
         From then on a write below ``epoch`` is rejected for every entity of the
         scope. Raises :class:`StaleEpochError` when the scope has already been led
-        at a higher epoch (this epoch must not lead).
+        at a higher epoch, or at this epoch by another holder (a lease record lost
+        and recreated can hand one epoch to two holders: only the first to record
+        it may lead).
         """
         ...
 

@@ -125,6 +125,7 @@ class MemoryFencedRepository:
         self.states: dict[str, object] = {}
         self.applied: list[tuple[str, int, object]] = []
         self.recorded_epoch = 0  # the highest epoch that led (see record_epoch)
+        self.recorded_holder = ""  # and who led at it
 
     async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
         await asyncio.sleep(0)
@@ -135,11 +136,14 @@ class MemoryFencedRepository:
         self.applied.append((entity_id, epoch, mutation))
         return True
 
-    async def record_epoch(self, epoch: int) -> None:
+    async def record_epoch(self, epoch: int, holder: str) -> None:
         await asyncio.sleep(0)
         if self.recorded_epoch > epoch:
             raise StaleEpochError(f"epoch {epoch} is below the recorded {self.recorded_epoch}")
+        if self.recorded_epoch == epoch and self.recorded_holder not in ("", holder):
+            raise StaleEpochError(f"epoch {epoch} was led by {self.recorded_holder}")
         self.recorded_epoch = epoch
+        self.recorded_holder = holder
 
     async def highest_epoch(self) -> int:
         return max([*self.last_epochs.values(), self.recorded_epoch])
