@@ -293,7 +293,10 @@ class World:
         if profile == "slow":
             await asyncio.sleep(self.rng.choice([0.1, 0.5, 1.5]))
         elif profile == "failing" and self.rng.random() < 0.3:
-            raise RuntimeError(f"reconciling {entity} failed (workload)")
+            if self.rng.random() < 0.5:
+                raise RuntimeError(f"reconciling {entity} failed (workload)")
+            # What a task group in user code raises: not an Exception.
+            raise BaseExceptionGroup(f"reconciling {entity} failed", [GeneratorExit()])
         elif profile == "stubborn":
             try:
                 await asyncio.sleep(self.rng.choice([0.2, 1.0]))
