@@ -50,7 +50,7 @@ ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
 DRIVER = "kopf-reconcile-benchmark"  # the User-Agent of the benchmark's own requests
 COUNTS = "/_benchmark/requests"  # the cluster process's request counts (GET, DELETE resets)
-SCOPE = "reconcile-device"  # the fence scope both operators write to
+SCOPE = "devices.example.com-reconcile-device"  # the fence scope both operators write to
 WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CREATE_CONCURRENCY = 32
 

@@ -20,7 +20,7 @@ from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 
 POWER_STATES = ("on", "off", "standby")
 REPOSITORY = PostgresFencedRepository(
-    os.environ["KOPF_RECONCILE_DATABASE_URL"], scope="reconcile-device"
+    os.environ["KOPF_RECONCILE_DATABASE_URL"], scope="devices.example.com-reconcile-device"
 )
 
 

@@ -34,9 +34,13 @@ current incarnation falls back to another one still live. A body without a
 uid cannot be told apart from an incarnation: it replaces them all, and any
 deletion of the entity removes it.
 
-The limit of watching without finalizers (see :mod:`kopf_reconcile.kopf_shim`)
-applies per incarnation: one whose DELETED is never delivered stays behind the
-current one, and becomes current again once that one is deleted.
+Deletions and selection. Only what the cache holds can be gone for the
+reconciler: the deletion of an object it never held (say, one outside a label
+selection) requests nothing. An object that leaves the selection is forgotten
+with :meth:`ObjectCache.forget`, one incarnation at a time and without being
+marked deleted, since it may match again. A deletion the watch missed while it
+had to list again is reported by the kopf shim as a DELETED (see
+:mod:`kopf_reconcile.relisting`).
 """
 
 from __future__ import annotations
@@ -115,24 +119,44 @@ class ObjectCache:
         await self._request(entity_id)
 
     async def remove(self, entity_id: str, body: Mapping[str, Any] | None = None) -> None:
-        """The object is gone: forget it, then request a reconcile.
+        """The object is gone: forget it, then request a reconcile if it was cached.
 
         With ``body`` (a DELETED event), only that incarnation is forgotten, and its
-        late events are ignored from now on.
+        late events are ignored from now on. The deletion of an object the cache never
+        held (one the reconciler never selected) requests nothing: there is nothing
+        the reconciler has seen to clean up.
         """
         uid = _uid(body)
         if uid is not None:
             self._gone[uid] = None
             while len(self._gone) > GONE_MEMORY:
                 self._gone.popitem(last=False)
+        if self._forget(entity_id, uid):
+            await self._request(entity_id)
+
+    async def forget(self, entity_id: str, body: Mapping[str, Any]) -> None:
+        """The object left the selection: forget this incarnation, request a reconcile if held.
+
+        Unlike :meth:`remove`, its uid is not marked gone (it may match again), and only
+        its own incarnation goes: a late event of an old uid that no longer matches
+        leaves a newer incarnation of the entity in place.
+        """
+        if self._forget(entity_id, _uid(body)):
+            await self._request(entity_id)
+
+    def _forget(self, entity_id: str, uid: str | None) -> bool:
+        """Drop ``uid``'s incarnation (None: all of them); whether anything was dropped."""
         incarnations = self._entities.get(entity_id)
-        if incarnations is not None:
-            if uid is not None:
-                incarnations.pop(uid, None)
-                incarnations.pop(None, None)  # a body without a uid may have been this one
-            if uid is None or not incarnations:
-                del self._entities[entity_id]  # nothing stays behind a deletion
-        await self._request(entity_id)
+        if incarnations is None:
+            return False
+        if uid is None:
+            del self._entities[entity_id]
+            return True
+        # A body without a uid cannot be told apart from this incarnation: it goes too.
+        dropped = [incarnations.pop(key) for key in (uid, None) if key in incarnations]
+        if not incarnations:
+            del self._entities[entity_id]  # nothing stays behind a deletion
+        return bool(dropped)
 
     def request_resync(self) -> None:
         """Re-emit every cached entity soon (from the trigger's task; returns at once)."""

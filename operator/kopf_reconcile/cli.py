@@ -2,15 +2,27 @@
 
 * ``kopf-reconcile run handlers.py [kopf run options]`` runs kopf with the
   handlers, like ``kopf run``, plus what a deployed operator needs: the
-  configuration validated before anything starts (a bad value stops the
-  process with a message naming the variable), ``/metrics``, ``/healthz`` and
+  configuration validated before anything starts (a bad value, or a database
+  that refuses its URL, stops the process with a message naming the variable;
+  a database that does not answer yet is retried), ``/metrics``, ``/healthz`` and
   ``/readyz`` on one port (see :mod:`kopf_reconcile.endpoints`), and JSON or
   text logs with secrets redacted (see :mod:`kopf_reconcile.logs`).
 * ``kopf-reconcile migrate`` creates the PostgreSQL tables of the fenced
   repository and the lease elector (idempotent).
 * ``kopf-reconcile leases`` prints the kopf-reconcile Leases of a cluster
   (and, given a database, the PostgreSQL lease table): reconciler id, holder,
-  epoch, acquired, renewed, expires.
+  epoch, acquired, renewed, expires. Whoever may edit a Lease chooses its
+  holder text, so control characters are escaped before they reach a terminal.
+
+The database URL of ``migrate`` and ``leases`` comes from
+``KOPF_RECONCILE_DATABASE_URL`` or ``--database-url-file``: a password given with
+``--database-url`` is visible to every user of the machine in the process list
+(a warning says so). Their failures are one line naming the problem, never a
+traceback.
+
+Shutdown. Once kopf's startup is done, ``run`` handles SIGTERM and SIGINT itself:
+``/readyz`` answers 503 from that moment (the pod leaves its Service while it
+drains), then kopf stops as on its own signal handling.
 
 Settings come from the options given here, then the environment (see
 :mod:`kopf_reconcile.settings`).
@@ -25,6 +37,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,10 +45,12 @@ from typing import Any
 
 from kopf_reconcile import logs
 from kopf_reconcile import settings as process_settings
+from kopf_reconcile._cogs.errors import describe_error
 from kopf_reconcile._cogs.pg import qualified_table, redact_dsn
+from kopf_reconcile._cogs.redaction import redact
 from kopf_reconcile._cogs.tables import format_table
 from kopf_reconcile.config import ConfigError
-from kopf_reconcile.settings import Settings
+from kopf_reconcile.settings import LeaderKind, Settings
 
 __all__ = ["main"]
 
@@ -43,6 +58,11 @@ logger = logging.getLogger("kopf_reconcile.cli")
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # a configuration error, as argparse's usage errors
+NAMESPACE_CHECK_TIMEOUT = 10.0  # an API server that does not answer is not a config error
+DATABASE_CHECK_TIMEOUT = 10.0  # nor is a database that does not answer
+# kopf's own signal handling SIGKILLs a shutdown that hangs this long (its
+# ultimate_exiting_timeout default); the handling that replaces it keeps that backstop.
+ULTIMATE_EXIT_TIMEOUT = 600.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(command=_run)
 
     migrate = commands.add_parser("migrate", help="create the PostgreSQL tables (idempotent)")
-    migrate.add_argument("--database-url", help="default: $KOPF_RECONCILE_DATABASE_URL")
+    _database_options(migrate, "default: $KOPF_RECONCILE_DATABASE_URL")
     migrate.set_defaults(command=_migrate)
 
     leases = commands.add_parser("leases", help="show the kopf-reconcile leases")
@@ -97,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     scope = leases.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", help="default: $POD_NAMESPACE or the context's")
     scope.add_argument("-A", "--all-namespaces", action="store_true")
-    leases.add_argument("--database-url", help="also show this database's lease table")
+    _database_options(leases, "also show this database's lease table")
     leases.set_defaults(command=_leases)
 
     demo = commands.add_parser(
@@ -125,6 +145,45 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(command=_demo)
     return parser
+
+
+def _database_options(parser: argparse.ArgumentParser, what: str) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--database-url-file",
+        metavar="PATH",
+        help=f"a file holding the PostgreSQL URL (a mounted Secret); {what}",
+    )
+    source.add_argument(
+        "--database-url",
+        help="the PostgreSQL URL itself; a password here shows in the process list: prefer "
+        "$KOPF_RECONCILE_DATABASE_URL or --database-url-file",
+    )
+
+
+def _database_url_argument(args: argparse.Namespace) -> str | None:
+    """The URL given on the command line (read from its file), warning about a visible password."""
+    if args.database_url_file is not None:
+        try:
+            with open(args.database_url_file, encoding="utf-8") as file:
+                from_file = file.read().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"--database-url-file {args.database_url_file!r} cannot be read: "
+                f"{exc.strerror or exc}"
+            ) from None
+        if not from_file:
+            raise ConfigError(f"--database-url-file {args.database_url_file!r} is empty")
+        return from_file
+    url: str | None = args.database_url
+    if url is not None and redact(url) != url:
+        print(
+            "kopf-reconcile: warning: the password in --database-url is visible to every user "
+            "of this machine in the process list; set KOPF_RECONCILE_DATABASE_URL or use "
+            "--database-url-file instead",
+            file=sys.stderr,
+        )
+    return url
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -160,6 +219,11 @@ def _run(args: argparse.Namespace) -> int:
     process_settings.install(config)
     logger.info("kopf-reconcile settings: %s", config.describe())
     _load_handlers(args.paths, args.modules)
+    from kopf_reconcile.kopf_shim import check_reconciler_ids
+
+    check_reconciler_ids(config)  # an ambiguous lease name stops it before anything runs
+    asyncio.run(_check_lease_namespace(config))
+    asyncio.run(_check_database(config))
     try:
         return asyncio.run(_serve(args, config))
     except Exception:
@@ -185,6 +249,68 @@ def _load_handlers(paths: Sequence[str], modules: Sequence[str]) -> None:
         importlib.import_module(name)
 
 
+async def _check_lease_namespace(config: Settings) -> None:
+    """With Kubernetes Leases, a namespace that does not exist is a configuration error."""
+    if config.leader_kind is not LeaderKind.KUBERNETES:
+        return
+    from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
+
+    elector = config.build_elector()
+    assert isinstance(elector, KubernetesLeaseElector)
+    source = "POD_NAMESPACE" if config.pod_namespace else "the kubeconfig's namespace"
+    try:
+        async with asyncio.timeout(NAMESPACE_CHECK_TIMEOUT):
+            await elector.check_namespace(source)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        logger.warning(
+            "cannot check that the namespace of the Leases exists: %s", describe_error(exc)
+        )
+    finally:
+        await elector.close()
+
+
+async def _check_database(config: Settings) -> None:
+    """A database that refuses the URL is a configuration error; one that is down is retried."""
+    if config.database_url is None or not config.fenced:
+        return
+    from kopf_reconcile._cogs.pg import check_database
+
+    source = "KOPF_RECONCILE_DATABASE_URL"
+    problem = await check_database(config.database_url, source, DATABASE_CHECK_TIMEOUT)
+    if problem is not None:
+        logger.warning(
+            "cannot reach the database of %s (%s): %s; starting anyway and retrying: no "
+            "reconciler leads until it answers",
+            source,
+            redact_dsn(config.database_url),
+            problem,
+        )
+
+
+def _take_over_signals(stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT start the shutdown: readiness goes first, then kopf stops.
+
+    kopf's own handlers (installed before its startup) would stop it without telling
+    anyone; these replace them once it has started, and stop it through its stop flag.
+    """
+    loop = asyncio.get_running_loop()
+
+    def begin(signum: signal.Signals) -> None:
+        if stop.is_set():
+            return
+        logger.info("%s received: shutting down; /readyz answers 503 from now on", signum.name)
+        stop.set()
+        loop.call_later(ULTIMATE_EXIT_TIMEOUT, os.kill, os.getpid(), signal.SIGKILL)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(signum, begin, signum)
+        except (NotImplementedError, RuntimeError, ValueError):
+            return  # not the main thread, or no signals here: kopf's handling stays
+
+
 async def _serve(args: argparse.Namespace, config: Settings) -> int:
     """The endpoints, then kopf until it stops; the exit status."""
     import kopf
@@ -193,8 +319,21 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
     from kopf_reconcile.endpoints import Endpoints
 
     ready = asyncio.Event()
+    stop = asyncio.Event()
     host, port = config.metrics_host, config.metrics_port
-    endpoints = Endpoints(host, port, ready=ready.is_set, report=kopf_shim.status)
+    from kopf_reconcile.watch_probe import WatchProbe, targets
+
+    # Ready also means every watch kopf keeps is allowed and answering (a forbidden watch
+    # leaves the operator idle while kopf's own startup flag says it is done).
+    probe = WatchProbe(targets(kopf_shim.watched_resources(), args.namespaces, args.clusterwide))
+    endpoints = Endpoints(
+        host,
+        port,
+        ready=ready.is_set,
+        report=kopf_shim.status,
+        stopping=stop.is_set,
+        problem=probe.problem,
+    )
     try:
         url = await endpoints.start()
     except OSError as exc:
@@ -207,7 +346,20 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
         )
         return EXIT_FAILURE
     logger.info("serving %s/metrics, %s/healthz and %s/readyz", url, url, url)
+    if config.in_cluster and not config.metrics_host_given:
+        logger.info(
+            "listening on all addresses (%s) because this process runs in a pod, where the "
+            "kubelet and Prometheus reach the pod's IP; KOPF_RECONCILE_METRICS_HOST changes it",
+            host,
+        )
+
+    async def signals_once_started() -> None:
+        await ready.wait()
+        _take_over_signals(stop)
+
+    taking_over = asyncio.create_task(signals_once_started())
     try:
+        await probe.start()
         await kopf.operator(
             namespaces=args.namespaces,
             clusterwide=args.clusterwide,
@@ -216,8 +368,11 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
             priority=666 if args.dev else args.priority,
             liveness_endpoint=args.liveness_endpoint,
             ready_flag=ready,
+            stop_flag=stop,
         )
     finally:
+        taking_over.cancel()
+        await probe.stop()
         await endpoints.stop()
     return 0
 
@@ -225,13 +380,29 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
 # -- migrate -------------------------------------------------------------------------------
 
 
+def _quiet_libraries() -> None:
+    """The one-line failure says it all: no library warning repeats it (without logging set up,
+    Python prints warnings to stderr)."""
+    for name in ("kubernetes_asyncio", "asyncpg"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _migrate(args: argparse.Namespace) -> int:
-    config = Settings.load(database_url=args.database_url)
+    _quiet_libraries()
+    config = Settings.load(database_url=_database_url_argument(args))
     if config.database_url is None:
         raise ConfigError(
-            "migrate needs a database: set KOPF_RECONCILE_DATABASE_URL or pass --database-url"
+            "migrate needs a database: set KOPF_RECONCILE_DATABASE_URL or pass --database-url-file"
         )
-    tables = asyncio.run(_create_tables(config.database_url))
+    try:
+        tables = asyncio.run(_create_tables(config.database_url))
+    except Exception as exc:
+        print(
+            f"kopf-reconcile migrate: cannot create the tables at "
+            f"{redact_dsn(config.database_url)}: {redact(describe_error(exc))}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     print(f"schema ready at {redact_dsn(config.database_url)}: {', '.join(tables)}")
     return 0
 
@@ -257,7 +428,8 @@ _COLUMNS = ("NAMESPACE", "RECONCILER", "HOLDER", "EPOCH", "ACQUIRED", "RENEWED",
 
 
 def _leases(args: argparse.Namespace) -> int:
-    config = Settings.load(database_url=args.database_url)
+    _quiet_libraries()
+    config = Settings.load(database_url=_database_url_argument(args))
     return asyncio.run(_show_leases(args, config))
 
 
@@ -268,7 +440,9 @@ async def _show_leases(args: argparse.Namespace, config: Settings) -> int:
             args.kubeconfig, args.namespace or config.pod_namespace, args.all_namespaces
         )
     except Exception as exc:
-        print(f"Kubernetes Leases: cannot list them: {exc}", file=sys.stderr)
+        print(
+            f"Kubernetes Leases: cannot list them: {redact(describe_error(exc))}", file=sys.stderr
+        )
         status = EXIT_FAILURE
     else:
         print("Kubernetes Leases:")
@@ -277,7 +451,10 @@ async def _show_leases(args: argparse.Namespace, config: Settings) -> int:
         try:
             rows = await _postgres_leases(config.database_url)
         except Exception as exc:
-            print(f"PostgreSQL leases: cannot read them: {exc}", file=sys.stderr)
+            print(
+                f"PostgreSQL leases: cannot read them: {redact(describe_error(exc))}",
+                file=sys.stderr,
+            )
             status = EXIT_FAILURE
         else:
             print(f"\nPostgreSQL leases ({redact_dsn(config.database_url)}):")
@@ -375,5 +552,27 @@ def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
     if not rows:
         print("  (none)")
         return
-    for line in format_table(_COLUMNS, rows):
+    for line in format_table(_COLUMNS, [tuple(map(escape_terminal, row)) for row in rows]):
         print("  " + line)
+
+
+def escape_terminal(text: str) -> str:
+    """``text`` safe to print on a terminal: no escape sequence or control character survives.
+
+    ESC becomes ``^[`` and CR ``\\r``, as kubectl's printers write them; every other
+    character that is not printable (other controls, bidirectional overrides, ...) is
+    written as its Python escape (``\\x07``, ``\\u202e``).
+    """
+    if text.isprintable():
+        return text
+    out: list[str] = []
+    for char in text:
+        if char == "\x1b":
+            out.append("^[")
+        elif char == "\r":
+            out.append("\\r")
+        elif char.isprintable():
+            out.append(char)
+        else:
+            out.append(char.encode("unicode_escape").decode("ascii"))
+    return "".join(out)

@@ -6,10 +6,15 @@
   server, with a JSON report per reconciler (running, leader, epoch, queue
   figures) for people and tests; followers are healthy too.
 * ``/readyz``: readiness: 200 once kopf's startup has finished (every
-  reconciler's Loop runs and kopf starts its watches), else 503. It is not
-  tied to leadership: a follower is ready, as a warm standby.
+  reconciler's Loop runs and kopf starts its watches) and while every watch
+  is allowed and answering (:mod:`kopf_reconcile.watch_probe`), else 503; 503 again
+  from the moment shutdown begins, so the pod leaves its Services while its
+  Loops drain. It is not tied to leadership: a follower is ready, as a warm
+  standby.
 
-Bind to 127.0.0.1 unless something outside the pod must scrape (then 0.0.0.0).
+Bind to 127.0.0.1 unless something outside the process's host must reach them: in a pod
+the kubelet's probes and Prometheus come to the pod's IP (``kopf-reconcile run`` then
+defaults to 0.0.0.0).
 """
 
 from __future__ import annotations
@@ -36,10 +41,14 @@ class Endpoints:
         ready: Callable[[], bool],
         report: Report,
         registry: CollectorRegistry = REGISTRY,
+        stopping: Callable[[], bool] | None = None,
+        problem: Callable[[], str | None] | None = None,
     ) -> None:
         self._host = host
         self._port = port
         self._ready = ready
+        self._stopping = stopping
+        self._problem = problem  # a reason not to be ready although started (a failing watch)
         self._report = report
         self._registry = registry
         self._runner: web.AppRunner | None = None
@@ -77,7 +86,12 @@ class Endpoints:
         return _json(200, {"status": "ok", "reconcilers": self._report()})
 
     async def _readyz(self, request: web.Request) -> web.Response:
+        if self._stopping is not None and self._stopping():
+            return _json(503, {"ready": False, "reason": "the operator is shutting down"})
         if self._ready():
+            problem = self._problem() if self._problem is not None else None
+            if problem is not None:
+                return _json(503, {"ready": False, "reason": problem})
             return _json(200, {"ready": True})
         return _json(503, {"ready": False, "reason": "the operator is starting"})
 

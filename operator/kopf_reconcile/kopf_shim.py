@@ -17,7 +17,9 @@ The decorator registers four handlers on kopf's registry for one reconciler:
   :func:`kopf_reconcile.cached`;
 * a **cleanup** handler, which stops the Loop (draining in-flight reconciles
   and releasing the lease so a peer takes over at once) and closes what the
-  startup handler created;
+  startup handler created. kopf runs cleanup handlers one after another, so
+  the first one of a registry begins the stop of every Loop in it at once:
+  the operator stops within one stop timeout, not one per reconciler;
 * a **probe** (kopf's liveness endpoint) reporting leadership, epoch and queue.
 
 Replicas. Every replica watches (a warm standby: its cache is current when it
@@ -37,25 +39,36 @@ itself never sees that request.
 
 ``labels`` and ``field_selector`` select objects on the client side: an object
 that stops matching looks deleted to the reconciler (``cached`` returns None),
-as a Kubernetes watch with a selector reports it.
+as a Kubernetes watch with a selector reports it. Only selected objects can
+be gone for the reconciler: the deletion of an object it never selected is
+not its business and triggers nothing.
 
-A limit of watching without finalizers: when kopf's watch must list again
-(the API server no longer has the events to resume from, "410 Gone"), an
-object deleted during that gap produces no DELETED event, so its cache entry
-stays and the reconciler keeps seeing its last body. Reconcilers whose
-cleanup must never be missed should keep a finalizer of their own on the
-objects (and remove it once cleaned up).
+Relists. When kopf's watch must list again (the API server no longer has the
+events to resume from, "410 Gone"), an object deleted during that gap produces
+no DELETED event. The shim wraps kopf's watch stream of each resource it
+reconciles: once a listing is complete, every object the stream knew that the
+listing no longer holds is delivered as a DELETED event (with its last body),
+as client-go's informers do (:mod:`kopf_reconcile.relisting`). Every handler
+of that resource in the operator sees those events, as it sees real ones.
+
+Reconciler ids. By default a reconciler's id (its lease name and fenced
+scope) is derived from the resource and the function's name,
+``<plural>.<group>-<function>``; a function named only ``reconcile`` (or
+another name that says nothing of its purpose) needs an explicit
+``reconciler_id`` when a leader is configured (see :mod:`kopf_reconcile.naming`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import enum
 import functools
 import inspect
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 import kopf
@@ -71,14 +84,15 @@ from kopf_reconcile.logs import EVENT_HANDLER_PREFIX, install_quiet_event_handle
 from kopf_reconcile.loop import (
     DEFAULT_INTERVAL,
     Loop,
-    default_reconciler_id,
     validate_reconciler_id,
 )
 from kopf_reconcile.metrics import Metrics, register_metrics
+from kopf_reconcile.naming import derived_reconciler_id, is_generic_name
+from kopf_reconcile.relisting import ListingTracker
 from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.triggers import TickerTrigger
 
-__all__ = ["FROM_SETTINGS", "reconciler", "status"]
+__all__ = ["FROM_SETTINGS", "check_reconciler_ids", "reconciler", "status"]
 
 logger = logging.getLogger("kopf_reconcile.kopf")
 
@@ -171,6 +185,7 @@ class _Options:
     name: str
     reconciler_id: str
     selection: _Selection
+    ambiguous: bool = False  # a default id that names only the resource (see naming)
 
 
 class _Registration:
@@ -183,6 +198,7 @@ class _Registration:
         self.loop: Loop | None = None
         self.cache: ObjectCache | None = None
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
+        self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
 
     @property
     def reconciler_id(self) -> str:
@@ -208,11 +224,14 @@ class _Registration:
     # -- kopf handlers -----------------------------------------------------------------
 
     async def startup(self, settings: kopf.OperatorSettings, **_: Any) -> None:
+        self._stopping = None  # a registry may run an operator again
         config = process_settings.current()
         _standalone_unless_peering(settings)
         o = self.options
         try:
             elector = await self._resolve("leader", o.leader, config.build_elector)
+            if elector is not None:
+                self.check_unambiguous()
             repository: FencedRepository | None = None
             if elector is not None or o.fenced is not FROM_SETTINGS:
                 repository = await self._resolve("fenced", o.fenced, config.build_fenced_repository)
@@ -256,6 +275,23 @@ class _Registration:
         )
 
     async def cleanup(self, **_: Any) -> None:
+        # kopf runs cleanup handlers one after another: stopped one by one, N Loops
+        # would take N stop timeouts, past a pod's grace period. The first cleanup of
+        # a registry stops every Loop of that registry at once; each handler then
+        # waits for (and reports the failure of) its own Loop's stop.
+        for registration in _registrations:
+            if registration.registry is self.registry:
+                registration._begin_stop()
+        assert self._stopping is not None
+        await self._stopping
+
+    def _begin_stop(self) -> None:
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(
+                self._stop(), name=f"stopping reconciler {self.reconciler_id}"
+            )
+
+    async def _stop(self) -> None:
         loop, self.loop = self.loop, None
         if self.cache is not None:
             # Events during and after the stop are dropped, never left waiting on a Loop
@@ -283,11 +319,11 @@ class _Registration:
             return
         entity_id = f"{namespace}/{name}" if namespace else str(name)
         if event.get("type") == "DELETED":
-            await cache.remove(entity_id, body)
+            await cache.remove(entity_id, body)  # only what was selected is gone for the reconciler
         elif self.options.selection.matches(body):
             await cache.update(entity_id, body)
-        elif entity_id in cache:  # it left the selection: to the reconciler it is gone
-            await cache.remove(entity_id)  # (not deleted: it may match again)
+        else:  # this incarnation left the selection: to the reconciler it is gone
+            await cache.forget(entity_id, body)  # (not deleted: it may match again)
 
     # -- the reconcile the Loop calls ----------------------------------------------------
 
@@ -302,6 +338,21 @@ class _Registration:
             return await self.fn(req)  # the Loop checks what it returns
 
     # -- helpers -------------------------------------------------------------------------
+
+    def check_unambiguous(self) -> None:
+        """With a leader, refuse a default id that another operator could share unknowingly."""
+        o = self.options
+        if not o.ambiguous:
+            return
+        resource = f"{o.plural}.{o.group}" if o.group else o.plural
+        raise ConfigError(
+            f"reconciler {o.name!r} of {resource} needs reconciler_id= when a leader is "
+            f"configured: its name says only that it reconciles, so its default lease "
+            f"{o.reconciler_id!r} would be shared by any other operator reconciling {resource} "
+            f"in that namespace, and only one of them would ever reconcile. Pass "
+            f"reconciler_id='<operator>-<purpose>' (unique per lease namespace and database), "
+            f"or give the function (or name=) a name that says what it is for"
+        )
 
     def status(self) -> dict[str, object]:
         loop = self.loop
@@ -425,7 +476,9 @@ def reconciler(
     * ``metrics``: instruments from ``register_metrics()``; by default those on
       prometheus-client's default registry; None disables them.
     * ``name``: controller name in metrics and logs (default: the function's name);
-      ``reconciler_id``: lease name and fencing scope (default: derived from the name).
+      ``reconciler_id``: lease name and fencing scope (default:
+      ``<plural>.<group>-<name>``, see :mod:`kopf_reconcile.naming`; required with a
+      leader when the name says only that it reconciles, such as ``reconcile``).
     * ``renew_interval``: lease renewal period (default: ``KOPF_RECONCILE_RENEW_INTERVAL``).
     * ``labels``: exact label values an object must carry; ``field_selector``: a
       Kubernetes field selector (``metadata.name=x,status.phase!=Done``).
@@ -454,6 +507,7 @@ def reconciler(
         raise ConfigError(f"metrics must come from register_metrics() or be None, got {metrics!r}")
     selection = _Selection.parse(labels, field_selector)
     install_quiet_event_handlers()
+    _install_relist_sweep()
 
     def decorator(fn: F) -> F:
         fn_name, reconcile_fn = as_reconcile_fn(fn)
@@ -461,7 +515,9 @@ def reconciler(
         if not isinstance(controller, str) or not controller:
             raise ConfigError(f"name must be a non-empty string, got {name!r}")
         rid = validate_reconciler_id(
-            default_reconciler_id(controller) if reconciler_id is None else reconciler_id
+            derived_reconciler_id(group, plural, controller)
+            if reconciler_id is None
+            else reconciler_id
         )
         real_registry = kopf.get_default_registry() if registry is None else registry
         if any(r.reconciler_id == rid and r.registry is real_registry for r in _registrations):
@@ -486,13 +542,88 @@ def reconciler(
             name=controller,
             reconciler_id=rid,
             selection=selection,
+            ambiguous=reconciler_id is None and is_generic_name(controller),
         )
         registration = _Registration(reconcile_fn, options, real_registry)
+        if leader is not None and leader is not FROM_SETTINGS:
+            registration.check_unambiguous()  # a leader is given: refuse it now
         registration.register()
         _registrations.append(registration)
         return fn
 
     return decorator
+
+
+def check_reconciler_ids(config: process_settings.Settings, registry: Any = None) -> None:
+    """Before kopf starts: refuse ambiguous default ids of reconcilers that will lead.
+
+    The startup handlers check it too; this lets ``kopf-reconcile run`` stop with a
+    configuration error before anything runs.
+    """
+    if config.leader_kind is process_settings.LeaderKind.NONE:
+        return
+    real_registry = kopf.get_default_registry() if registry is None else registry
+    for registration in _registrations:
+        if registration.registry is real_registry and registration.options.leader is FROM_SETTINGS:
+            registration.check_unambiguous()
+
+
+def _install_relist_sweep() -> None:
+    """Make kopf's watch streams of reconciled resources report what a relist no longer holds.
+
+    kopf lists a resource (events of type None), yields its ``Bookmark.LISTED`` marker,
+    then watches; after a 410 it lists again. Its watcher reads the stream from
+    ``kopf._cogs.clients.watching.infinite_watch`` at every start, so a wrapper there
+    sees every listing of every stream and can insert, before the marker, a DELETED
+    event for each object the stream knew that the listing lacks. Those go through
+    kopf's per-object queues like real events, after that object's earlier ones.
+    """
+    watching: Any = None
+    with contextlib.suppress(ImportError):
+        from kopf._cogs.clients import watching
+    original = getattr(watching, "infinite_watch", None)
+    listed_marker = getattr(getattr(watching, "Bookmark", None), "LISTED", None)
+    if original is None or listed_marker is None:  # pragma: no cover - another kopf layout
+        logger.warning(
+            "this kopf version's watch stream cannot be followed: an object deleted while "
+            "a watch lists again (410 Gone) is not reported to its reconciler"
+        )
+        return
+    if getattr(original, "_kopf_reconcile_sweeps", False):
+        return
+
+    async def infinite_watch(*, resource: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        stream = original(resource=resource, **kwargs)
+        reconciled = any(
+            r.options.group == resource.group and r.options.plural == resource.plural
+            for r in _registrations
+        )
+        async with contextlib.aclosing(stream):
+            if not reconciled:
+                async for item in stream:
+                    yield item
+                return
+            tracker = ListingTracker()
+            async for item in stream:
+                if item is listed_marker:
+                    for deleted in tracker.listed():
+                        yield deleted
+                elif isinstance(item, Mapping):
+                    tracker.observe(item)
+                yield item
+
+    infinite_watch._kopf_reconcile_sweeps = True  # type: ignore[attr-defined]
+    watching.infinite_watch = infinite_watch
+
+
+def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:
+    """(group, version, plural) of every reconciler registered on ``registry`` (readiness)."""
+    real_registry = kopf.get_default_registry() if registry is None else registry
+    return [
+        (r.options.group, r.options.version, r.options.plural)
+        for r in _registrations
+        if r.registry is real_registry
+    ]
 
 
 def status(registry: Any = None) -> dict[str, dict[str, object]]:

@@ -231,7 +231,10 @@ class Loop:
         self._m = BoundMetrics(
             cfg.metrics,
             self._name,
-            depth=lambda: self._queue.ready_count,
+            # A follower dispatches nothing: what it keeps is a backlog for a failover,
+            # not work waiting, and must not look like a stuck queue to alerts.
+            depth=lambda: self._queue.ready_count if self._dispatch_open else 0,
+            backlog=lambda: 0 if self._dispatch_open else self._queue.ready_count,
             in_flight=lambda: len(self._running),
             dead=lambda: self._queue.dead_count,
         )
@@ -415,24 +418,33 @@ class Loop:
             self._recorder = repo
 
     def _claim_lease(self) -> None:
-        """Refuse a second running Loop on the same elector and reconciler id."""
+        """Refuse a second Loop on the same elector and reconciler id while the first runs.
+
+        A Loop that stopped but whose reconciles still run (threads that outlived their
+        cancellation, a lease left to lapse) still counts: a successor would find the
+        lease "still ours" under the same holder identity and lead at once, at the
+        same epoch, inside the entities those threads are in.
+        """
         leader = self._config.leader
         if leader is None:
             return
         key = (id(leader), self._reconciler_id)
         ref = _leases_in_use.get(key)
         other = ref() if ref is not None else None
-        if other is not None and other is not self and not other._stopped:
+        if other is not None and other is not self and (not other._stopped or other._running):
+            still = "still runs" if not other._stopped else "stopped, but its reconciles still run"
             raise ConfigError(
                 f"reconciler id {self._reconciler_id!r} is already led through elector "
-                f"{leader!r} by loop {other.name!r}: both would hold the same lease under one "
-                "holder identity; give each Loop its own reconciler_id"
+                f"{leader!r} by loop {other.name!r}, which {still}: both would hold the "
+                "same lease under one holder identity; give each Loop its own reconciler_id, "
+                "or start this one when the other has ended"
             )
         _leases_in_use[key] = weakref.ref(self)
 
     def _release_claims(self) -> None:
         leader = self._config.leader
-        if leader is not None:
+        # While reconciles still run, the claim stays (see _claim_lease): it names this Loop.
+        if leader is not None and not self._running:
             key = (id(leader), self._reconciler_id)
             ref = _leases_in_use.get(key)
             if ref is not None and ref() is self:

@@ -46,8 +46,10 @@ class Metrics:
     epoch: Gauge | None = None
     lease_transitions_total: Counter | None = None
     lease_errors_total: Counter | None = None
+    lease_permanent_errors_total: Counter | None = None
     lease_renew_seconds: Histogram | None = None
     workqueue_depth: Gauge | None = None
+    follower_backlog: Gauge | None = None
     workqueue_adds_total: Counter | None = None
     workqueue_retries_total: Counter | None = None
     workqueue_queue_duration_seconds: Histogram | None = None
@@ -96,11 +98,29 @@ def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             ctl,
             registry=reg,
         ),
+        lease_permanent_errors_total=Counter(
+            name("lease_permanent_errors_total"),
+            "Lease requests refused with a client error that retrying cannot fix "
+            "(4xx but 408, 409, 429: forbidden, namespace not found, invalid); "
+            "also counted in lease_errors_total.",
+            ctl,
+            registry=reg,
+        ),
         lease_renew_seconds=Histogram(
             name("lease_renew_seconds"), "Duration of lease renewals.", ctl, registry=reg
         ),
         workqueue_depth=Gauge(
-            name("workqueue_depth"), "Entities ready to run.", ("name",), registry=reg
+            name("workqueue_depth"),
+            "Entities ready to run while leading (0 on a follower: see follower_backlog).",
+            ("name",),
+            registry=reg,
+        ),
+        follower_backlog=Gauge(
+            name("follower_backlog"),
+            "Entities a follower keeps for when it leads (every object it has seen); "
+            "not a work queue, 0 while leading.",
+            ("name",),
+            registry=reg,
         ),
         workqueue_adds_total=Counter(
             name("workqueue_adds_total"), "Triggers received.", ("name",), registry=reg
@@ -164,6 +184,7 @@ class BoundMetrics:
         controller: str,
         *,
         depth: Callable[[], float] | None = None,
+        backlog: Callable[[], float] | None = None,
         in_flight: Callable[[], float] | None = None,
         dead: Callable[[], float] | None = None,
     ) -> None:
@@ -195,8 +216,10 @@ class BoundMetrics:
         self.epoch = gauge(m.epoch, controller)
         self.lease_transitions = counter(m.lease_transitions_total, controller)
         self.lease_errors = counter(m.lease_errors_total, controller)
+        self.lease_permanent_errors = counter(m.lease_permanent_errors_total, controller)
         self.lease_renew = hist(m.lease_renew_seconds, controller)
         self.depth = gauge(m.workqueue_depth, controller)
+        self.backlog = gauge(m.follower_backlog, controller)
         self.adds = counter(m.workqueue_adds_total, controller)
         self.retries = counter(m.workqueue_retries_total, controller)
         self.queue_duration = hist(m.workqueue_queue_duration_seconds, controller)
@@ -207,6 +230,7 @@ class BoundMetrics:
         }
         for instrument, fn in (
             (self.depth, depth),
+            (self.backlog, backlog),
             (self.active_workers, in_flight),
             (self.dead_letters, dead),
         ):

@@ -18,6 +18,14 @@ Choosing the leader elector (``KOPF_RECONCILE_LEADER``):
 * ``auto`` (default): ``kubernetes`` inside a pod (``KUBERNETES_SERVICE_HOST``
   set), else ``postgres`` when a database URL is configured, else ``none``.
 
+Values that could only fail later are refused here: numbers must be plain ASCII
+decimals (``float`` and ``int`` also take other scripts' digits), a lease TTL fits a
+Lease's int32 ``leaseDurationSeconds``, a renew interval is at least
+:data:`MIN_RENEW_INTERVAL` (each renewal is a round trip), ``POD_NAMESPACE`` is a
+namespace name. The probes listen on 127.0.0.1 by default, and on all addresses in a
+pod (``KUBERNETES_SERVICE_HOST`` set), where the kubelet and Prometheus reach the pod's
+IP, never its loopback.
+
 With a database URL and a leader, every reconcile gets a fenced writer on
 PostgreSQL. Without a leader there is no epoch to fence with, so the database
 URL is then unused (and said so in the startup log).
@@ -30,6 +38,7 @@ import enum
 import ipaddress
 import math
 import os
+import re
 import secrets
 import socket
 from collections.abc import Callable, Mapping
@@ -51,9 +60,22 @@ T = TypeVar("T")
 DEFAULT_LEASE_TTL = 15.0  # client-go LeaseDuration
 DEFAULT_RENEW_INTERVAL = 2.0  # client-go RetryPeriod
 RENEW_DEADLINE_FRACTION = 2 / 3  # the Loop steps down after 2/3 of the TTL without renewal
-DEFAULT_METRICS_HOST = "127.0.0.1"  # pods set 0.0.0.0 so Prometheus can scrape
+DEFAULT_METRICS_HOST = "127.0.0.1"  # outside a pod, nothing else needs to reach the probes
+# In a pod the kubelet probes and Prometheus scrapes the pod's IP, never its loopback.
+IN_CLUSTER_METRICS_HOST = "0.0.0.0"
 DEFAULT_METRICS_PORT = 8080  # controller-runtime's metrics port
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# A renewal is an API or database round trip: below this the renewal loop is a busy loop.
+MIN_RENEW_INTERVAL = 0.1
+# spec.leaseDurationSeconds is an int32; every elector shares that bound so that a value
+# valid for one is valid for all (and a timedelta of it never overflows).
+MAX_LEASE_TTL = 2**31 - 1
+# Plain ASCII decimal numbers only: float() and int() also take other scripts' digits,
+# underscores and "infinity", which no operator means to write in a manifest.
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+_NON_FINITE = ("nan", "inf", "infinity")
+_PORT = re.compile(r"[0-9]+", re.ASCII)
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", re.ASCII)  # an RFC 1123 label
 
 
 class LeaderKind(enum.Enum):
@@ -111,6 +133,7 @@ class Settings:
     log_format: LogFormat = LogFormat.TEXT
     log_level: str = "INFO"
     in_cluster: bool = False  # KUBERNETES_SERVICE_HOST is set: this process runs in a pod
+    metrics_host_given: bool = False  # False: the default of where this process runs
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **arguments: Any) -> Settings:
@@ -136,19 +159,25 @@ class Settings:
             return default if value is None else parse(source, value)
 
         lease_ttl = parsed("lease_ttl", _lease_ttl, LeaseTTL(DEFAULT_LEASE_TTL))
+        in_cluster = bool(env.get("KUBERNETES_SERVICE_HOST"))
         settings = cls(
             pod_name=parsed("pod_name", _text, None),
-            pod_namespace=parsed("pod_namespace", _text, None),
+            pod_namespace=parsed("pod_namespace", _namespace, None),
             database_url=parsed("database_url", _database_url, None),
             leader=parsed("leader", _enum(LeaderKind), LeaderKind.AUTO),
             lease_ttl=lease_ttl,
-            renew_interval=parsed("renew_interval", _positive_seconds, DEFAULT_RENEW_INTERVAL),
+            renew_interval=parsed("renew_interval", _renew_interval, DEFAULT_RENEW_INTERVAL),
             stop_timeout=parsed("stop_timeout", _non_negative_seconds, None),
-            metrics_host=parsed("metrics_host", _host, DEFAULT_METRICS_HOST),
+            metrics_host=parsed(
+                "metrics_host",
+                _host,
+                IN_CLUSTER_METRICS_HOST if in_cluster else DEFAULT_METRICS_HOST,
+            ),
             metrics_port=parsed("metrics_port", _port, DEFAULT_METRICS_PORT),
             log_format=parsed("log_format", _enum(LogFormat), LogFormat.TEXT),
             log_level=parsed("log_level", _log_level, "INFO"),
-            in_cluster=bool(env.get("KUBERNETES_SERVICE_HOST")),
+            in_cluster=in_cluster,
+            metrics_host_given=raw("metrics_host")[1] is not None,
         )
         settings._check_consistency(raw)
         return settings
@@ -258,7 +287,11 @@ def _text(source: str, value: object) -> str:
 
 
 def _number(source: str, value: object) -> float:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (
+        isinstance(value, str)
+        and not _DECIMAL.fullmatch(value)
+        and value.lower().lstrip("+-") not in _NON_FINITE  # refused below, by name
+    ):
         raise ConfigError(f"{source} must be a number of seconds, got {value!r}")
     try:
         number = float(value)  # type: ignore[arg-type]
@@ -276,6 +309,16 @@ def _positive_seconds(source: str, value: object) -> float:
     return number
 
 
+def _renew_interval(source: str, value: object) -> float:
+    number = _positive_seconds(source, value)
+    if number < MIN_RENEW_INTERVAL:
+        raise ConfigError(
+            f"{source} must be >= {MIN_RENEW_INTERVAL:g} seconds (each renewal is a round trip "
+            f"to the API server or the database), got {value!r}"
+        )
+    return number
+
+
 def _non_negative_seconds(source: str, value: object) -> float:
     number = _number(source, value)
     if number < 0:
@@ -289,6 +332,11 @@ def _lease_ttl(source: str, value: object) -> LeaseTTL:
     number = _positive_seconds(source, value)
     if number < 0.001:  # LeaseTTL's floor: stores carry whole milliseconds at least
         raise ConfigError(f"{source} must be >= 0.001 seconds (1 ms), got {value!r}")
+    if number > MAX_LEASE_TTL:
+        raise ConfigError(
+            f"{source} must be at most {MAX_LEASE_TTL} seconds (a Lease's "
+            f"spec.leaseDurationSeconds is an int32), got {value!r}"
+        )
     return LeaseTTL(number)
 
 
@@ -320,11 +368,22 @@ def _host(source: str, value: object) -> str:
         ) from None
 
 
+def _namespace(source: str, value: object) -> str:
+    text = _text(source, value)
+    if len(text) > 63 or not _NAMESPACE.fullmatch(text):
+        raise ConfigError(
+            f"{source} must be a Kubernetes namespace name (lowercase letters, digits and '-', "
+            f"starting and ending with a letter or digit, at most 63 characters), got {value!r}"
+        )
+    return text
+
+
 def _port(source: str, value: object) -> int:
-    try:
-        port = int(str(value))
-    except ValueError:
-        raise ConfigError(f"{source} must be a TCP port number, got {value!r}") from None
+    if isinstance(value, bool) or not (
+        isinstance(value, int) or _PORT.fullmatch(str(value)) is not None
+    ):
+        raise ConfigError(f"{source} must be a TCP port number, got {value!r}")
+    port = int(str(value))
     if not 0 <= port <= 65535:
         raise ConfigError(f"{source} must be between 0 (any free port) and 65535, got {value!r}")
     return port

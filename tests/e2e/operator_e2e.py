@@ -29,7 +29,9 @@ OPERATORS = Path(__file__).parent / "operators"
 DEVICES_CRD = ROOT / "crds" / "devices.yaml"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 BIN = Path(sys.executable).parent
-RECONCILER_ID = "reconcile-device"  # the example's reconciler, hence its lease and fence scope
+# The example's reconciler id (the default: resource, then function), hence its lease and
+# fence scope.
+RECONCILER_ID = "devices.example.com-reconcile-device"
 CONTROLLER = "reconcile_device"  # ... and its controller name in metrics
 MERGE = {"Content-Type": "application/merge-patch+json"}
 # What a process must not inherit: it would choose the leader elector or the pod identity.
@@ -163,10 +165,14 @@ class Operators:
         return operator
 
     async def run_to_exit(
-        self, *args: str, command: str = "kopf-reconcile", env: dict[str, str] | None = None
+        self,
+        *args: str,
+        command: str = "kopf-reconcile",
+        handlers: Path = EXAMPLE,
+        env: dict[str, str] | None = None,
     ) -> tuple[int, str]:
         """Start an operator that is expected to exit by itself; its status and output."""
-        operator = await self.start(*args, command=command, env=env)
+        operator = await self.start(*args, command=command, handlers=handlers, env=env)
         try:
             await asyncio.wait_for(operator.process.wait(), 30)
         finally:

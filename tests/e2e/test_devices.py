@@ -119,7 +119,7 @@ async def test_three_replicas_one_leader_and_failover_after_sigkill(
         await eventually(lambda f=follower: _caches(f, len(first)), timeout=10)
         assert (await _report(follower))["leader"] is False
         assert await follower.reconciles() == 0
-        assert (await follower.get("/readyz"))[0] == 200  # ready, though not leading
+        await eventually(lambda f=follower: _ready(f), timeout=15)  # ready, though not leading
     epoch_before = (await devices.get("dev-0") or {})["status"]["epoch"]
 
     leader.kill()
@@ -197,3 +197,7 @@ async def _report(operator: Operator) -> dict[str, Any]:
     assert status == 200, text
     report: dict[str, Any] = json.loads(text)["reconcilers"][RECONCILER_ID]
     return report
+
+
+async def _ready(operator: Any) -> bool:
+    return bool((await operator.get("/readyz"))[0] == 200)

@@ -29,6 +29,9 @@ from support import eventually
 
 CONFIGMAPS = "/api/v1/namespaces/default/configmaps"
 MERGE = {"Content-Type": "application/merge-patch+json"}
+# The default reconciler ids (lease names) of the two reconcilers below: resource, function.
+TEAM_A = "configmaps-reconcile-team-a"
+OTHERS = "configmaps-reconcile-others"
 
 
 @dataclass
@@ -135,9 +138,9 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
         await eventually(
             lambda: all(s.get("leader") for s in kopf_shim.status(registry).values()), timeout=10
         )
-        assert leases.holder("reconcile-team-a") is not None
-        assert leases.holder("reconcile-others") is not None
-        assert leases.holder("reconcile-team-a") != leases.holder("reconcile-others")
+        assert leases.holder(TEAM_A) is not None
+        assert leases.holder(OTHERS) is not None
+        assert leases.holder(TEAM_A) != leases.holder(OTHERS)
 
         await configmap(http, "a1", {"team": "a"})
         await configmap(http, "b1", {"team": "b"})
@@ -175,19 +178,19 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
         assert reconciles("requeue_after") == 0  # resyncs are not requeues
 
         status = kopf_shim.status(registry)
-        assert status["reconcile-team-a"]["cached_objects"] == 0
-        assert status["reconcile-others"]["cached_objects"] == 1  # b1: a1 is gone, one ignored
-        assert status["reconcile-team-a"]["epoch"] == 1
+        assert status[TEAM_A]["cached_objects"] == 0
+        assert status[OTHERS]["cached_objects"] == 1  # b1: a1 is gone, one ignored
+        assert status[TEAM_A]["epoch"] == 1
     finally:
         stop.set()
         await asyncio.wait_for(operator, 20)
 
     # Cleanup stopped both Loops and released both leases.
-    assert leases.holder("reconcile-team-a") is None
-    assert leases.holder("reconcile-others") is None
+    assert leases.holder(TEAM_A) is None
+    assert leases.holder(OTHERS) is None
     assert kopf_shim.status(registry) == {
-        "reconcile-team-a": {"running": False},
-        "reconcile-others": {"running": False},
+        TEAM_A: {"running": False},
+        OTHERS: {"running": False},
     }
     async with http.get(CONFIGMAPS) as response:
         items = (await response.json())["items"]

@@ -3,11 +3,15 @@ stops it at startup with a message naming the variable (plain ``kopf run`` too).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 
 import aiohttp
 import pytest
-from operator_e2e import OPERATORS, Operators
+from operator_e2e import BIN, EXAMPLE, OPERATORS, Operators
+
+from support import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("kube", ["embedded"], indirect=True)]
 
@@ -74,3 +78,90 @@ async def test_bad_configuration_stops_the_operator_naming_the_variable(
     status, output = await operators.run_to_exit(command=command, env=env)
     assert status != 0
     assert expected in output, output
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        pytest.param(
+            {"KOPF_RECONCILE_LEADER": "kubernetes", "KOPF_RECONCILE_LEASE_TTL": "3000000000"},
+            "KOPF_RECONCILE_LEASE_TTL",
+            id="ttl-beyond-int32",
+        ),
+        pytest.param(
+            {"KOPF_RECONCILE_RENEW_INTERVAL": "0.000001"},
+            "KOPF_RECONCILE_RENEW_INTERVAL",
+            id="tight-renewal-loop",
+        ),
+        pytest.param({"POD_NAMESPACE": "Not A Namespace"}, "POD_NAMESPACE", id="bad-namespace"),
+        pytest.param(
+            {"KOPF_RECONCILE_LEADER": "kubernetes", "POD_NAMESPACE": "no-such-namespace"},
+            "POD_NAMESPACE",
+            id="missing-namespace",
+        ),
+        pytest.param(
+            {"KOPF_RECONCILE_METRICS_PORT": "\u0668\u0660\u0668\u0660"},  # Arabic-Indic 8080
+            "KOPF_RECONCILE_METRICS_PORT",
+            id="non-ascii-port",
+        ),
+        pytest.param(
+            {"KOPF_RECONCILE_LEASE_TTL": "\u0661\u0665"},  # Arabic-Indic 15
+            "KOPF_RECONCILE_LEASE_TTL",
+            id="non-ascii-seconds",
+        ),
+    ],
+)
+async def test_values_that_cannot_work_stop_the_operator_before_kopf_starts(
+    operators: Operators, env: dict[str, str], variable: str
+) -> None:
+    # Not operators.start(): its --metrics-port would hide the variable's value.
+    process = await asyncio.create_subprocess_exec(
+        str(BIN / "kopf-reconcile"),
+        "run",
+        str(EXAMPLE),
+        f"--namespace={operators.namespace}",
+        env=operators.environment({"KOPF_RECONCILE_METRICS_PORT": "0", **env}),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        stdout, _ = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    output = stdout.decode(errors="replace")
+    assert process.returncode == 2, output
+    assert f"configuration error: {variable} " in output, output
+    assert "Traceback" not in output
+
+
+async def test_readiness_turns_false_as_soon_as_shutdown_begins(
+    operators: Operators, http: aiohttp.ClientSession
+) -> None:
+    operator = await operators.start(
+        handlers=OPERATORS / "draining.py", env={"KOPF_RECONCILE_STOP_TIMEOUT": "10"}
+    )
+    url = f"/api/v1/namespaces/{operators.namespace}/configmaps"
+    async with http.post(url, json={"metadata": {"name": "held"}}) as response:
+        assert response.status == 201
+    await operator.printed("holding", "/held until cancelled")
+
+    async def answers_ready() -> bool:
+        return (await operator.get("/readyz"))[0] == 200
+
+    await eventually(answers_ready, timeout=10, interval=0.05, message="/readyz 200")
+
+    async def answers_not_ready() -> bool:
+        try:
+            status, _ = await operator.get("/readyz")
+        except aiohttp.ClientError:
+            return False  # not serving (any more): that is not the answer awaited
+        return status == 503
+
+    operator.process.send_signal(signal.SIGTERM)
+    # The reconcile holds the shutdown for up to the stop timeout; meanwhile the
+    # process serves, and must already say it is not ready.
+    await eventually(answers_not_ready, timeout=9, interval=0.05, message="/readyz 503")
+    assert operator.process.returncode is None
+    assert await operator.stop(timeout=40) == 0

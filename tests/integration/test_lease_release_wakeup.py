@@ -142,6 +142,25 @@ async def test_a_refused_watch_is_raised_once_then_followers_wait_out_their_retr
             await finish(waiting)
 
 
+async def test_one_cut_watch_is_watched_again_at_once(embedded_cluster: EmbeddedCluster) -> None:
+    async with embedded_cluster.api_client() as api:
+        a, b = (KubernetesLeaseElector("default", ttl=LONG_TTL, api=api) for _ in range(2))
+        token = await a.acquire_lease(RID)
+        with pytest.raises(kr.LeaseContended):
+            await b.acquire_lease(RID)
+        waiting = asyncio.create_task(b.wait_for_release(RID))
+        assert await pending_for_a_while(waiting)
+        assert embedded_cluster.cut_watches() >= 1  # a dropped connection, once
+        await asyncio.wait_for(waiting, WAKE_DEADLINE)  # "may have changed": the caller tries
+        waiting = asyncio.create_task(b.wait_for_release(RID))
+        try:
+            assert await pending_for_a_while(waiting)  # it watches again, not backing off...
+            await a.release_lease(token)
+            await asyncio.wait_for(waiting, WAKE_DEADLINE)  # ...so a release wakes it at once
+        finally:
+            await finish(waiting)
+
+
 # -- PostgreSQL ------------------------------------------------------------------------------
 
 PgFactory = Callable[..., PostgresLeaseElector]

@@ -435,3 +435,59 @@ async def test_the_deadline_of_a_new_leader_counts_from_its_confirming_renewal()
         await loop.enqueue(kr.Request("x"))
         await eventually(lambda: "x" in reconciled, timeout=5)
         assert elector.releases == 0, "it stepped down at once: its deadline had passed"
+
+
+async def test_a_successor_on_the_same_elector_waits_for_the_threads_of_a_cancelled_stop() -> None:
+    store = MemoryLeaseStore()
+    elector = MemoryLeaseElector(store, kr.LeaseTTL(3))
+    entered = threading.Event()
+    let_go = threading.Event()
+
+    def slow(req: kr.Request) -> None:
+        if req.entity_id == "x":
+            entered.set()
+            let_go.wait(10)
+
+    first = leader_loop(slow, elector, stop_timeout=0.05)
+    await first.start()
+    try:
+        await eventually(lambda: first.stats().is_leader)
+        await first.enqueue(kr.Request("x"))
+        await asyncio.to_thread(entered.wait, 5)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await first.stop()
+        # Same elector, same id: it would find the lease "still ours" and enter "x" at once.
+        with pytest.raises(kr.ConfigError, match="its reconciles still run"):
+            await leader_loop(noop, elector).start()
+    finally:
+        let_go.set()
+    await eventually(lambda: first.stats().in_flight == 0)
+    async with leader_loop(noop, elector) as successor:  # the thread has ended: it may lead
+        await eventually(lambda: successor.stats().is_leader)
+
+
+class NoisyElector(MemoryLeaseElector):
+    """Its release notifications arrive all the time (anyone may send them), none real."""
+
+    attempts = 0
+
+    async def acquire_lease(self, reconciler_id: str) -> kr.LeaseToken:
+        NoisyElector.attempts += 1
+        return await super().acquire_lease(reconciler_id)
+
+    async def wait_for_release(self, reconciler_id: str) -> None:
+        await asyncio.sleep(0)
+
+
+async def test_spurious_release_wakeups_space_out_the_acquire_attempts() -> None:
+    store = MemoryLeaseStore()
+    holder = leader_loop(noop, MemoryLeaseElector(store, kr.LeaseTTL(15)), renew=1.0)
+    follower = leader_loop(noop, NoisyElector(store, kr.LeaseTTL(15)), renew=1.0)
+    async with holder:
+        await eventually(lambda: holder.stats().is_leader)
+        NoisyElector.attempts = 0
+        async with follower:
+            await asyncio.sleep(2.0)
+    # Without spacing: one attempt per 10 ms (about 200); doubling gaps up to the 1 s retry.
+    assert NoisyElector.attempts < 30, NoisyElector.attempts

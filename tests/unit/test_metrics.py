@@ -122,3 +122,45 @@ async def test_a_none_field_disables_that_instrument() -> None:
             lambda: sample(registry, "reconcile_time_seconds_count", controller="devices") == 1
         )
     assert sample(registry, "reconcile_total", controller="devices", result="success") is None
+
+
+async def test_a_follower_exports_its_backlog_apart_from_the_work_queue() -> None:
+    from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = kr.register_metrics(registry)
+    store = MemoryLeaseStore()
+    requests: dict[str, asyncio.Queue[kr.Request]] = {"a": asyncio.Queue(), "b": asyncio.Queue()}
+    release = asyncio.Event()
+
+    async def reconcile(req: kr.Request) -> None:
+        await release.wait()  # the leader's entities stay in flight or queued
+
+    def loop(name: str) -> kr.Loop:
+        return (
+            kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+            .with_trigger(kr.ChannelTrigger(requests[name]))
+            .with_leader(MemoryLeaseElector(store, kr.LeaseTTL(1)))
+            .with_reconciler_id("devices")
+            .with_renew_interval(0.1)
+            .with_metrics(metrics)
+            .with_name(name)
+            .build()
+        )
+
+    leader, follower = loop("a"), loop("b")
+    async with leader:
+        await eventually(lambda: leader.stats().is_leader)
+        async with follower:
+            try:
+                for i in range(5):
+                    await requests["a"].put(kr.Request(f"e{i}"))
+                    await requests["b"].put(kr.Request(f"e{i}"))
+                # The leader works one entity at a time: the others wait in its queue.
+                await eventually(lambda: sample(registry, "workqueue_depth", name="a") == 5)
+                await eventually(lambda: sample(registry, "follower_backlog", name="b") == 5)
+                assert not follower.stats().is_leader
+                assert sample(registry, "workqueue_depth", name="b") == 0
+                assert sample(registry, "follower_backlog", name="a") == 0
+            finally:
+                release.set()

@@ -183,3 +183,36 @@ def test_every_variable_is_documented_in_the_readme() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     missing = [v.env for v in ENVIRONMENT if f"`{v.env}`" not in readme]
     assert missing == []
+
+
+def test_in_a_pod_the_probes_listen_on_every_address_by_default() -> None:
+    in_pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    settings = Settings.load(in_pod)
+    assert settings.metrics_host == "0.0.0.0"
+    assert not settings.metrics_host_given
+    given = Settings.load({**in_pod, "KOPF_RECONCILE_METRICS_HOST": "127.0.0.1"})
+    assert (given.metrics_host, given.metrics_host_given) == ("127.0.0.1", True)
+    assert Settings.load({}).metrics_host == "127.0.0.1"  # outside a pod: loopback
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("KOPF_RECONCILE_LEASE_TTL", "3000000000", "must be at most 2147483647 seconds"),
+        ("KOPF_RECONCILE_LEASE_TTL", "\u0661\u0665", "must be a number of seconds"),
+        ("KOPF_RECONCILE_LEASE_TTL", "1_5", "must be a number of seconds"),
+        ("KOPF_RECONCILE_RENEW_INTERVAL", "0.000001", "must be >= 0.1 seconds"),
+        ("KOPF_RECONCILE_STOP_TIMEOUT", "\uff13\uff10", "must be a number of seconds"),
+        ("KOPF_RECONCILE_METRICS_PORT", "\u0668\u0660\u0668\u0660", "must be a TCP port number"),
+        ("KOPF_RECONCILE_METRICS_PORT", "+80", "must be a TCP port number"),
+        ("POD_NAMESPACE", "Not A Namespace", "must be a Kubernetes namespace name"),
+        ("POD_NAMESPACE", "a" * 64, "must be a Kubernetes namespace name"),
+    ],
+)
+def test_values_that_would_fail_later_are_refused_at_startup(
+    variable: str, value: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        Settings.load({variable: value})
+    assert str(raised.value).startswith(f"{variable} {expected}")
+    assert repr(value) in str(raised.value)

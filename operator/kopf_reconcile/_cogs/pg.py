@@ -13,6 +13,10 @@ decide the table is missing and one then fails on a catalog unique index), so
 the DDL runs in a transaction holding an advisory lock derived from the table
 name.
 
+:func:`check_database` is what ``kopf-reconcile run`` asks before it starts: a URL
+the server refuses (credentials, role, database name) is a configuration error,
+while a server that does not answer yet may answer later and is only reported.
+
 DSNs carry passwords; every message and ``repr`` here shows them redacted.
 """
 
@@ -25,10 +29,11 @@ from collections.abc import Mapping, Sequence
 
 import asyncpg
 
+from kopf_reconcile._cogs.errors import describe_error
 from kopf_reconcile._cogs.redaction import redact
 from kopf_reconcile.config import ConfigError
 
-__all__ = ["Database", "is_postgres_url", "qualified_table", "redact_dsn"]
+__all__ = ["Database", "check_database", "is_postgres_url", "qualified_table", "redact_dsn"]
 
 # A pool made from a DSN: one warm connection, growing on demand.
 POOL_MIN_SIZE = 1
@@ -37,6 +42,9 @@ POOL_MAX_SIZE = 10
 CLOSE_GRACE_SECONDS = 5.0
 
 _DSN_SCHEMES = ("postgresql", "postgres")
+# The server refused the URL itself (credentials, role, database name): the same URL
+# never succeeds, however long it is retried.
+_REFUSED = (asyncpg.InvalidAuthorizationSpecificationError, asyncpg.InvalidCatalogNameError)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 
@@ -64,6 +72,27 @@ def qualified_table(option: str, name: object) -> str:
             f"as schema.table; got {name!r}"
         )
     return ".".join(f'"{part}"' for part in parts)
+
+
+async def check_database(dsn: str, source: str, timeout: float) -> str | None:
+    """Connect once: ``None`` when the server accepts ``dsn``, else why it cannot be reached.
+
+    A refusal of the URL itself (a wrong password, an unknown role or database) is
+    a :class:`ConfigError` naming ``source``: only a changed configuration fixes it.
+    A server that does not answer (refused connection, timeout, starting up) may
+    answer later, so that is returned, on one line, for the caller to report.
+    """
+    try:
+        connection = await asyncpg.connect(dsn, timeout=timeout)
+    except _REFUSED as exc:
+        raise ConfigError(
+            f"{source} ({redact_dsn(dsn)}) is refused by the database: "
+            f"{redact(describe_error(exc))}"
+        ) from None
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        return redact(describe_error(exc))
+    await connection.close()
+    return None
 
 
 class Database:

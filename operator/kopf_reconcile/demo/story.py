@@ -48,7 +48,7 @@ from kopf_reconcile.testing import audit
 GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
 NAMESPACE = "default"
 CONTROLLER = "reconcile_device"  # the reconciler's name: the metrics' controller label
-SCOPE = "reconcile-device"  # its reconciler id: lease name and fencing scope
+SCOPE = "devices.example.com-reconcile-device"  # its reconciler id: lease name, fence scope
 STATES = ("on", "off", "standby")
 CONVERGE_TIMEOUT = 90.0
 POLL = 0.2

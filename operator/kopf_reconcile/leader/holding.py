@@ -32,6 +32,14 @@ id and tells its owner (the Loop) when it starts and stops leading:
 
 The renew deadline must be shorter than the TTL, so a leader steps down before
 its lease can expire for the others.
+
+Errors are logged on one line with what the server said (for an API error: status,
+reason and message, see :mod:`kopf_reconcile._cogs.errors`), and counted in
+``lease_errors_total``; a refusal that retrying cannot fix (a 4xx such as 403 Forbidden
+or a missing namespace), and a lease record with no epoch left
+(:class:`~kopf_reconcile.leader.protocol.LeaseEpochExhausted`), are counted in
+``lease_permanent_errors_total`` too, logged as errors rather than warnings, and say so in
+their line, so an operator that can never lead is told apart from a flaky API.
 """
 
 from __future__ import annotations
@@ -42,10 +50,12 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
+from kopf_reconcile._cogs.errors import describe_error, is_permanent
 from kopf_reconcile.config import ConfigError
 from kopf_reconcile.leader.protocol import (
     LeaderElector,
     LeaseContended,
+    LeaseEpochExhausted,
     LeaseLost,
     LeaseToken,
     ReleaseAwareElector,
@@ -97,6 +107,7 @@ class LeaseHolder:
         self._stopping = False
         self._step_down_reason: str | None = None
         self._refused: str | None = None  # why this lease can never lead (a ConfigError)
+        self._early_wakeups = 0  # release wake-ups in a row that found the lease held
         self._recheck = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -166,12 +177,13 @@ class LeaseHolder:
                 logger.debug("%s: lease is held elsewhere: %s", self._name, exc)
                 retry_after = exc.retry_after
             except Exception as exc:
-                self._m.lease_errors.inc()
-                logger.warning(
-                    "%s: acquiring lease %s failed: %r",
+                self._count_error(exc)
+                logger.log(
+                    _level(exc),
+                    "%s: acquiring lease %s failed: %s",
                     self._name,
                     self._reconciler_id,
-                    exc,
+                    _explained(exc),
                     extra={"controller": self._name},
                 )
             else:
@@ -205,14 +217,19 @@ class LeaseHolder:
             async with asyncio.timeout(retry):
                 await elector.wait_for_release(self._reconciler_id)
         except TimeoutError:
+            self._early_wakeups = 0
             return
         except Exception as exc:
             # A failed wait is no news of a release: wait out the retry period.
             logger.debug("%s: waiting for a release failed: %r", self._name, exc)
             await asyncio.sleep(max(0.0, retry - (self._clock() - started)))
             return
-        # Never spin: an elector that wakes at once costs one attempt per MIN_RETRY.
-        await asyncio.sleep(max(0.0, MIN_RETRY - (self._clock() - started)))
+        # Never spin: wake-ups that keep finding the lease held (anyone who can notify
+        # the elector's channel can send them) space the attempts out, doubling up to
+        # the retry period; a wait that ran its course starts again from MIN_RETRY.
+        gap = min(retry, MIN_RETRY * 2**self._early_wakeups)
+        self._early_wakeups = min(self._early_wakeups + 1, 30)
+        await asyncio.sleep(max(0.0, gap - (self._clock() - started)))
 
     async def _confirmed(self, token: LeaseToken, sent: float) -> float | None:
         """Run the owner's confirmation (record the epoch), then re-check the lease.
@@ -250,20 +267,26 @@ class LeaseHolder:
             )
             return None
         except Exception as exc:
-            self._m.lease_errors.inc()
+            self._count_error(exc)
             logger.warning(
-                "%s: cannot confirm lease %s at epoch %d, handing it back: %r",
+                "%s: cannot confirm lease %s at epoch %d, handing it back: %s",
                 self._name,
                 self._reconciler_id,
                 token.epoch,
-                exc,
+                _explained(exc),
                 extra={"controller": self._name},
             )
             await self._release()
             return None
         return renewed
 
+    def _count_error(self, exc: Exception) -> None:
+        self._m.lease_errors.inc()
+        if _needs_a_person(exc):
+            self._m.lease_permanent_errors.inc()
+
     def _lead(self, token: LeaseToken, sent: float) -> None:
+        self._early_wakeups = 0
         self._epoch = token.epoch
         self._valid_until = sent + self._renew_deadline
         self._lease_until = sent + self._ttl
@@ -307,13 +330,14 @@ class LeaseHolder:
                 await self._step_down(f"lease lost: {exc}", release=False)
                 return
             except Exception as exc:
-                self._m.lease_errors.inc()
-                logger.warning(
-                    "%s: renewing lease %s failed (%.1fs left before stepping down): %r",
+                self._count_error(exc)
+                logger.log(
+                    _level(exc),
+                    "%s: renewing lease %s failed (%.1fs left before stepping down): %s",
                     self._name,
                     self._reconciler_id,
                     max(0.0, last_ok + self._renew_deadline - self._clock()),
-                    exc,
+                    _explained(exc),
                     extra={"controller": self._name},
                 )
             else:
@@ -382,11 +406,31 @@ class LeaseHolder:
                 await self._elector.release_lease(token)
         except Exception as exc:
             logger.warning(
-                "%s: releasing lease %s failed (it will expire by itself): %r",
+                "%s: releasing lease %s failed (it will expire by itself): %s",
                 self._name,
                 self._reconciler_id,
-                exc,
+                _explained(exc),
                 extra={"controller": self._name},
             )
         # Only now: a release cancelled half-way is retried by stop().
         self._token = None
+
+
+def _level(exc: BaseException) -> int:
+    """An error for a refusal that retrying cannot fix (it needs a person), else a warning."""
+    return logging.ERROR if _needs_a_person(exc) else logging.WARNING
+
+
+def _needs_a_person(exc: BaseException) -> bool:
+    """A refusal by the server (a 4xx no retry fixes), or a lease record with no epoch left."""
+    return is_permanent(exc) or isinstance(exc, LeaseEpochExhausted)
+
+
+def _explained(exc: BaseException) -> str:
+    """The error on one line; a permanent one says that retrying will not fix it."""
+    text = describe_error(exc)
+    if is_permanent(exc):
+        text += " (refused by the server: retrying cannot help until this is fixed)"
+    elif isinstance(exc, LeaseEpochExhausted):
+        text += " (retrying cannot help until the record is repaired)"
+    return text

@@ -104,6 +104,7 @@ from kubernetes_asyncio.config.config_exception import ConfigException
 from kubernetes_asyncio.config.kube_config import list_kube_config_contexts
 
 from kopf_reconcile._cogs.closing import AsyncClosing
+from kopf_reconcile._cogs.errors import describe_error
 from kopf_reconcile._cogs.identity import unique_holder_id
 from kopf_reconcile.config import ConfigError, Duration
 from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
@@ -152,6 +153,8 @@ _OWN_WRITE_ATTEMPTS = 2
 # A watch told its resourceVersion is too old (410) lists the Lease and watches again, once.
 _WATCH_ATTEMPTS = 2
 _GONE = "410 Gone"
+# Consecutive failed watches before followers stop watching for a lease duration.
+_WATCH_FAILURES_TOLERATED = 3
 # A watch connection silent this much longer than the watch's own timeout is dead.
 _WATCH_SLACK = 5.0
 
@@ -233,8 +236,10 @@ class KubernetesLeaseElector(AsyncClosing):
         # The epoch this elector holds or last held per lease (set before writing it,
         # so a takeover whose answer was lost is still recognised as ours).
         self._held: dict[str, int] = {}
-        # Until then (monotonic), followers do not watch: watching failed (see wait_for_release).
+        # Until then (monotonic), followers do not watch: watching failed repeatedly (see
+        # wait_for_release); one dropped connection is just watched again.
         self._watch_backoff_until = 0.0
+        self._watch_failures = 0
 
     @property
     def holder_id(self) -> str:
@@ -367,10 +372,16 @@ class KubernetesLeaseElector(AsyncClosing):
         try:
             failure = await self._watch(reconciler_id, holder, version)
         except (ApiException, aiohttp.ClientError, OSError, ValueError) as exc:
-            self._stop_watching(reconciler_id, repr(exc))
-            raise
+            # A refusal (403, ...) will not change by itself; a dropped connection may: it
+            # is answered like a spurious wake-up (one acquire attempt, then a new watch).
+            refused = isinstance(exc, ApiException)
+            if self._stop_watching(reconciler_id, describe_error(exc), at_once=refused):
+                raise
+            return
         if failure is not None:
             self._stop_watching(reconciler_id, failure)
+        else:
+            self._watch_failures = 0
 
     async def _watch(self, reconciler_id: str, holder: str, version: str) -> str | None:
         """``None`` once the Lease was released, changed hands or went; else why not known."""
@@ -438,7 +449,13 @@ class KubernetesLeaseElector(AsyncClosing):
             return None  # the server ended it at timeoutSeconds: worth an attempt anyway
         return "the watch ended early"
 
-    def _stop_watching(self, reconciler_id: str, why: str) -> None:
+    def _stop_watching(self, reconciler_id: str, why: str, *, at_once: bool = False) -> bool:
+        """Count a failed watch; True once followers stop watching for a lease duration."""
+        self._watch_failures += 1
+        if self._watch_failures < _WATCH_FAILURES_TOLERATED and not at_once:
+            logger.debug("watching %s ended: %s", self._where(reconciler_id), why)
+            return False
+        self._watch_failures = 0
         self._watch_backoff_until = time.monotonic() + self._duration
         logger.warning(
             "watching %s for a release failed (%s); for %d s followers only retry every "
@@ -447,6 +464,35 @@ class KubernetesLeaseElector(AsyncClosing):
             why,
             self._duration,
         )
+        return True
+
+    # -- startup check ----------------------------------------------------------------
+
+    async def check_namespace(self, source: str = "namespace") -> None:
+        """Raise :class:`ConfigError` naming ``source`` when the Lease namespace does not exist.
+
+        A Lease in a missing namespace can never be created: the elector would retry
+        forever and its Loop never lead. A dry-run create (``dryRun=All``: nothing is
+        stored) asks the API server, which needs only the ``create`` permission the
+        elector has anyway; reading the Namespace object would need more. Any other
+        answer (the Lease exists: 409, no permission yet, an unreachable server) is not
+        a configuration error, and is left to the elector's retries and its log.
+        """
+        namespace = await self._resolved_namespace()
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "kopf-reconcile-namespace-check", "namespace": namespace},
+            "spec": {},
+        }
+        try:
+            await self._request("POST", _COLLECTION, "", body, query=[("dryRun", "All")])
+        except ApiException as exc:
+            if exc.status == 404 and _names_kind(exc.body, "namespaces"):
+                raise ConfigError(
+                    f"{source} names namespace {namespace!r}, which does not exist in the "
+                    "cluster: the Leases of leader election cannot be created there"
+                ) from None
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -749,6 +795,18 @@ def _service_account_namespace() -> str | None:
             return file.read().strip() or None
     except OSError:
         return None
+
+
+def _names_kind(body: object, kind: str) -> bool:
+    """Whether a ``Status`` body is about an object of ``kind`` (its ``details.kind``)."""
+    if isinstance(body, bytes):
+        body = body.decode(errors="replace")
+    try:
+        status = json.loads(body) if isinstance(body, str) else None
+    except ValueError:
+        return False
+    details = status.get("details") if isinstance(status, dict) else None
+    return isinstance(details, dict) and details.get("kind") == kind
 
 
 def _spec(lease: Lease) -> Lease:

@@ -130,6 +130,7 @@ class PostgresLeaseElector(AsyncClosing):
         self._generation = 0  # how many times a listening connection was opened
         self._heard: collections.Counter[str] = collections.Counter()  # releases per payload
         self._heard_at_read: dict[str, tuple[int, int]] = {}  # generation and count per id
+        self._followed: set[str] = set()  # payloads of the leases this elector followed
         self._wakeup = asyncio.Event()  # replaced (after being set) on every change
         self._listen_backoff_until = 0.0
         self._closed = False
@@ -236,6 +237,7 @@ class PostgresLeaseElector(AsyncClosing):
                 heard, current = await self._read_heard(pool, reconciler_id)
             if current is not None:
                 self._heard_at_read[reconciler_id] = heard
+                self._followed.add(_payload(reconciler_id))
                 self._epochs.saw(reconciler_id, int(current["epoch"]))
                 remaining = (current["expires_at"] - current["now"]).total_seconds()
                 raise LeaseContended(_describe(reconciler_id, current), retry_after=remaining)
@@ -411,14 +413,17 @@ class PostgresLeaseElector(AsyncClosing):
                 return
             connection: asyncpg.Connection | None = None
             try:
-                connection = await asyncpg.connect(dsn, timeout=LISTEN_CONNECT_TIMEOUT)
+                # Well inside an acquire's deadline: an endpoint that hangs must not make
+                # every contended acquire time out.
+                timeout = min(LISTEN_CONNECT_TIMEOUT, self._ttl.seconds / 4)
+                connection = await asyncpg.connect(dsn, timeout=timeout)
                 await connection.add_listener(self._channel, self._heard_release)
             except BaseException as exc:
                 if connection is not None:
                     connection.terminate()
+                self._listen_backoff_until = time.monotonic() + self._ttl.seconds
                 if not isinstance(exc, Exception):
                     raise  # cancelled: let it through, with nothing left open
-                self._listen_backoff_until = time.monotonic() + self._ttl.seconds
                 logger.warning(
                     "cannot listen for lease releases on channel %r at %s (%r); for %.0f s "
                     "followers only retry every renew interval",
@@ -438,8 +443,11 @@ class PostgresLeaseElector(AsyncClosing):
     def _heard_release(
         self, connection: asyncpg.Connection, pid: int, channel: str, payload: str
     ) -> None:
-        self._heard[payload] += 1
-        self._wake()
+        # Only the leases this elector followed: anyone may NOTIFY the channel, and a
+        # counter per unknown payload would grow without bound.
+        if payload in self._followed:
+            self._heard[payload] += 1
+            self._wake()
 
     def _lost(self, connection: asyncpg.Connection) -> None:
         if connection is self._listener:

@@ -445,7 +445,11 @@ class ResourceAPI:
             obj["metadata"]["managedFields"] = managed
         else:
             obj["metadata"].pop("managedFields", None)
-        problems = validation.validate_metadata(resource, obj) + self._validate(resource, obj)
+        problems = (
+            validation.validate_metadata_update(obj, current)
+            + validation.validate_metadata(resource, obj)
+            + self._validate(resource, obj)
+        )
         if problems:
             raise errors.invalid(target, problems)
         if obj == current:
@@ -457,9 +461,13 @@ class ResourceAPI:
             and not obj["metadata"].get("finalizers")
             and not self._finalized_by_controller(resource)
         ):
-            gone = self.store.remove(resource.storage_key, obj)
+            # The write that removes the last finalizer is never stored: the object is
+            # deleted as last stored, so the DELETED event still lists the finalizers (as
+            # etcd's delete reports it). The writer gets the state it asked for, at the
+            # last stored resourceVersion, as kube-apiserver answers.
+            gone = self.store.remove(resource.storage_key, current)
             self._after_removal(resource, gone)
-            return gone
+            return obj
         stored = self.store.put(resource.storage_key, obj, current)
         self._after_write(resource, stored)
         return stored

@@ -165,7 +165,9 @@ def stale_resource_version(target: Target) -> ApiError:
 
 
 def invalid(target: Target, errors: Sequence[FieldError]) -> ApiError:
-    rendered = str(errors[0]) if len(errors) == 1 else "[" + ", ".join(map(str, errors)) + "]"
+    # Go's ErrorList.ToAggregate: a message repeated in the list is rendered once.
+    unique = list(dict.fromkeys(map(str, errors)))
+    rendered = unique[0] if len(unique) == 1 else "[" + ", ".join(unique) + "]"
     message = f'{target.group_kind} "{target.name}" is invalid: {rendered}'
     details = _details(target, by_kind=True)
     details["causes"] = [error.as_cause() for error in errors]

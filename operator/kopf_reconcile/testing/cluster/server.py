@@ -41,7 +41,15 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from kopf_reconcile.testing.cluster import discovery, errors, openapi, patching, selecting, tables
+from kopf_reconcile.testing.cluster import (
+    discovery,
+    errors,
+    openapi,
+    patching,
+    protobuf,
+    selecting,
+    tables,
+)
 from kopf_reconcile.testing.cluster.api import FIELD_VALIDATIONS, ResourceAPI, WriteOptions
 from kopf_reconcile.testing.cluster.faults import FaultInjector
 from kopf_reconcile.testing.cluster.resources import ResourceType
@@ -628,10 +636,12 @@ async def _read_body(request: web.Request) -> Any:
             return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
         raise errors.bad_request(f"couldn't get version/kind; json parse error: {exc}") from None
+    if content_type == protobuf.MEDIA_TYPE:
+        return protobuf.decode(raw)  # what kubectl create sends for built-in kinds
     raise errors.ApiError(
         415,
         f"the body of the request was in an unknown format - accepted media types include: "
-        f"application/json, application/yaml (got {content_type})",
+        f"application/json, application/yaml, {protobuf.MEDIA_TYPE} (got {content_type})",
         "UnsupportedMediaType",
     )
 

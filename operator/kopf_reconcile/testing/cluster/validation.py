@@ -449,6 +449,28 @@ def validate_metadata(resource: ResourceType, obj: Object) -> list[FieldError]:
     return problems
 
 
+def validate_metadata_update(obj: Object, current: Object) -> list[FieldError]:
+    """What an update may not change in the metadata: no new finalizers once deleting.
+
+    kube-apiserver v1.20 checks the metadata of an update twice (the generic registry,
+    then the kind's own update validation), so the one problem comes back as two causes;
+    the message names it once (Go's ErrorList.ToAggregate drops repeated messages).
+    """
+    if not current["metadata"].get("deletionTimestamp"):
+        return []
+    old = set(current["metadata"].get("finalizers") or [])
+    new = sorted(set(obj["metadata"].get("finalizers") or []) - old)
+    if not new:
+        return []
+    listed = ", ".join(errors.go_repr(finalizer) for finalizer in new)
+    problem = FieldError.forbidden(
+        "metadata.finalizers",
+        "no new finalizers can be added if the object is being deleted, "
+        f"found new finalizers []string{{{listed}}}",
+    )
+    return [problem, problem]
+
+
 def validate_lease(obj: Object) -> list[FieldError]:
     spec = obj.get("spec") or {}
     problems: list[FieldError] = []
@@ -459,9 +481,10 @@ def validate_lease(obj: Object) -> list[FieldError]:
         )
     transitions = spec.get("leaseTransitions")
     if transitions is not None and transitions < 0:
+        # kube-apiserver v1.20's own words (ValidateLeaseSpec), grammar included.
         problems.append(
             FieldError.invalid(
-                "spec.leaseTransitions", transitions, "must be greater than or equal to 0"
+                "spec.leaseTransitions", transitions, "must to greater or equal than 0"
             )
         )
     return problems

@@ -1,0 +1,78 @@
+"""Relists: an object a fresh listing no longer holds was deleted while the watch was away.
+
+A watch resumes from the last ``resourceVersion`` it saw. When the API server no
+longer has the changes since then (410 Gone: etcd compacted them, or the watch
+cache moved on), the client lists the objects again and watches from the
+listing's version. A deletion that happened in between never produces a
+DELETED event: without more, the object would stay in every cache fed by the
+watch, and its reconciler would never hear that it is gone.
+
+client-go's informers close that gap in ``DeltaFIFO.Replace``: every object they
+knew that the new listing lacks is reported deleted, with the last state they
+saw. :class:`ListingTracker` does the same for one watch stream. It learns the
+live objects from the stream itself (listed objects, ADDED and MODIFIED; a
+DELETED forgets), collects the uids of a listing while it is delivered, and
+when the stream says the listing is complete it returns one DELETED event, with
+the last body seen, for each known object the listing did not hold. The
+stream's consumer delivers those like any other event, in the stream's order:
+so each one reaches an object's handlers after every event of that object that
+came before it.
+
+Objects are told apart by ``metadata.uid``: an object deleted and created again
+under the same name during the gap is a new uid in the listing, and the old uid
+is reported deleted. Only a complete listing sweeps; one cut short (the
+connection broke mid-way) is merged with the next listing, which can only keep
+more objects, never report a live one deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ListingTracker"]
+
+Event = Mapping[str, Any]
+
+
+class ListingTracker:
+    """The live objects of one watch stream, and what a completed listing no longer holds."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, Mapping[str, Any]] = {}  # uid -> the last body the stream carried
+        self._listing: set[str] | None = None  # uids of the listing being delivered
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def observe(self, event: Event) -> None:
+        """One event of the stream; type None marks an object of a listing (kopf's convention)."""
+        body = event.get("object")
+        uid = _uid(body)
+        if uid is None or not isinstance(body, Mapping):
+            return  # not an object (a bookmark, an error): nothing to track
+        kind = event.get("type")
+        if kind is None:
+            if self._listing is None:
+                self._listing = set()
+            self._listing.add(uid)
+            self._live[uid] = body
+        elif kind in ("ADDED", "MODIFIED"):
+            self._live[uid] = body
+        elif kind == "DELETED":
+            self._live.pop(uid, None)
+
+    def listed(self) -> list[dict[str, Any]]:
+        """The listing is complete: a DELETED event for each known object it did not hold."""
+        listing = self._listing if self._listing is not None else set()  # an empty listing
+        self._listing = None
+        missing = [uid for uid in self._live if uid not in listing]
+        return [{"type": "DELETED", "object": self._live.pop(uid)} for uid in missing]
+
+
+def _uid(body: object) -> str | None:
+    if not isinstance(body, Mapping):
+        return None
+    metadata = body.get("metadata")
+    uid = metadata.get("uid") if isinstance(metadata, Mapping) else None
+    return uid if isinstance(uid, str) and uid else None

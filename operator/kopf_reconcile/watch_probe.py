@@ -1,0 +1,220 @@
+"""Readiness that covers kopf's watches: a replica whose watch is forbidden is not ready.
+
+kopf's startup finishing says nothing about whether its watches work: when a
+watch is forbidden, kopf logs a warning ("Not enough permissions to watch for
+resources") or its watcher fails, and the operator silently does nothing. The
+pod would still pass its readiness probe, and a rollout would happily replace
+working replicas with idle ones.
+
+:class:`WatchProbe` repeats, with the operator's own credentials and every
+``interval`` seconds, the two requests every watch starts with: a list (here
+with ``limit=1``: it costs one object whatever the collection's size) and a
+watch from the version that list returned. The watch is closed as soon as the
+API server answers 200: authorization and admission are decided before the
+first event, so the answer is the verdict. Targets are what kopf watches:
+CustomResourceDefinitions (always), namespaces (when it watches namespaces
+by name, to match its patterns), and each reconciler's resource in each
+watched namespace (or cluster-wide).
+
+:meth:`WatchProbe.problem` is ``None`` while every target's last check passed,
+else a one-line reason (for ``/readyz`` and the log). A probe that has not yet
+finished its first round reports that too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
+
+__all__ = ["WatchProbe", "WatchTarget", "targets"]
+
+logger = logging.getLogger("kopf_reconcile.watch_probe")
+
+#: Seconds between two rounds of checks, and the time one request may take.
+DEFAULT_INTERVAL = 10.0
+REQUEST_TIMEOUT = 10.0
+#: A ready replica turns not ready after this many failed rounds in a row (a refusal: one),
+#: checking again after RECHECK seconds in between.
+TRANSIENT_ROUNDS = 3
+RECHECK = 1.0
+FORBIDDEN = "is forbidden (403)"
+
+
+@dataclass(frozen=True)
+class WatchTarget:
+    """One collection kopf watches: ``group`` is ``""`` for the core API group."""
+
+    group: str
+    version: str
+    plural: str
+    namespace: str | None = None  # None: cluster-wide (or a cluster-scoped resource)
+
+    @property
+    def path(self) -> str:
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        where = f"/namespaces/{self.namespace}" if self.namespace else ""
+        return f"{base}{where}/{self.plural}"
+
+    def __str__(self) -> str:
+        what = ".".join(filter(None, (self.plural, self.group)))
+        return f"{what} in {self.namespace!r}" if self.namespace else f"{what} cluster-wide"
+
+
+CRDS = WatchTarget("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+NAMESPACES = WatchTarget("", "v1", "namespaces")
+
+
+def targets(
+    resources: Iterable[tuple[str, str, str]], namespaces: Sequence[str], clusterwide: bool
+) -> list[WatchTarget]:
+    """What kopf watches for ``resources`` (group, version, plural) in ``namespaces``.
+
+    Namespace patterns (globs, negations) are left out: kopf resolves them from
+    its namespace watch, which is checked itself.
+    """
+    exact = [ns for ns in namespaces if ns and not any(c in ns for c in "*?[]!,")]
+    found = [CRDS]
+    if not clusterwide:
+        found.append(NAMESPACES)
+    for group, version, plural in resources:
+        if clusterwide:
+            found.append(WatchTarget(group, version, plural))
+        else:
+            found.extend(WatchTarget(group, version, plural, ns) for ns in exact)
+    return list(dict.fromkeys(found))
+
+
+async def default_api_client() -> ApiClient:
+    """In-cluster credentials inside a pod, else ``$KUBECONFIG`` or ``~/.kube/config``."""
+    configuration = Configuration()
+    try:
+        load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except ConfigException:
+        path = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+        await load_kube_config(
+            config_file=path, client_configuration=configuration, persist_config=False
+        )
+    return ApiClient(configuration)
+
+
+class WatchProbe:
+    """Checks every target every ``interval`` seconds; ``problem()`` tells the last outcome."""
+
+    def __init__(
+        self,
+        watch_targets: Sequence[WatchTarget],
+        *,
+        interval: float = DEFAULT_INTERVAL,
+        api: ApiClient | None = None,
+    ) -> None:
+        self._targets = list(watch_targets)
+        self._interval = interval
+        self._api = api
+        self._owns_api = api is None
+        self._problem: str | None = "the watches have not been checked yet"
+        self._task: asyncio.Task[None] | None = None
+        self.rounds = 0
+
+    def problem(self) -> str | None:
+        """``None`` when every watch was allowed and answered in the last round."""
+        return self._problem
+
+    async def start(self) -> None:
+        if self._api is None:
+            self._api = await default_api_client()
+        self._task = asyncio.create_task(self._run(), name="kopf-reconcile watch probe")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._owns_api and self._api is not None:
+            await self._api.close()
+            self._api = None
+
+    async def check_once(self) -> str | None:
+        """One round: the first failure's reason, or ``None``."""
+        for target in self._targets:
+            failure = await self._check(target)
+            if failure is not None:
+                return f"the watch of {target} {failure}"
+        return None
+
+    async def _run(self) -> None:
+        failed_rounds = 0
+        while True:
+            try:
+                problem = await self.check_once()
+            except Exception as exc:  # the probe must outlive any one failure
+                problem = f"the watches cannot be checked: {exc.__class__.__name__}: {exc}"
+            self.rounds += 1
+            failed_rounds = 0 if problem is None else failed_rounds + 1
+            # A refusal is the verdict at once; one slow or failed request of a replica that
+            # was ready is checked again soon before it counts (a busy API server is no
+            # reason to leave the Services).
+            transient = problem is not None and FORBIDDEN not in problem
+            if transient and self._problem is None and failed_rounds < TRANSIENT_ROUNDS:
+                logger.debug("a watch check failed, checking again: %s", problem)
+                await asyncio.sleep(min(self._interval, RECHECK))
+                continue
+            if problem != self._problem:
+                if problem is None:
+                    logger.info("every watch is allowed and answering: ready")
+                else:
+                    logger.warning("not ready: %s", problem)
+            self._problem = problem
+            await asyncio.sleep(self._interval)
+
+    async def _check(self, target: WatchTarget) -> str | None:
+        listed = await self._get(target.path, [("limit", "1")])
+        if isinstance(listed, str):
+            return listed
+        version = str((listed.get("metadata") or {}).get("resourceVersion") or "")
+        query = [("watch", "1"), ("timeoutSeconds", "1"), ("resourceVersion", version)]
+        watched = await self._get(target.path, query, stream=True)
+        return watched if isinstance(watched, str) else None
+
+    async def _get(
+        self, path: str, query: list[tuple[str, str]], *, stream: bool = False
+    ) -> dict[str, Any] | str:
+        """The decoded answer, or why there is none (``stream``: ``{}`` once it answered 200)."""
+        assert self._api is not None
+        try:
+            response = await self._api.call_api(
+                path,
+                "GET",
+                query_params=query,
+                header_params={"Accept": "application/json"},
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+            )
+        except (aiohttp.ClientError, ApiException, TimeoutError, OSError) as exc:
+            return f"cannot reach the API server: {exc.__class__.__name__}: {exc}"
+        if not isinstance(response, aiohttp.ClientResponse):
+            return f"answered {response!r}"
+        try:
+            if response.status == 403:
+                return f"{FORBIDDEN}: the ServiceAccount's RBAC does not allow it"
+            if response.status != 200:
+                text = (await response.text())[:200]
+                return f"answered {response.status}: {text}"
+            if stream:
+                return {}
+            document: dict[str, Any] = await response.json()
+            return document
+        finally:
+            response.close()

@@ -1,0 +1,105 @@
+"""Shutdown of a kopf operator with several reconcilers: every Loop stops at once.
+
+kopf calls cleanup handlers one after another. Were each reconciler's Loop stopped by
+its own handler only, N reconcilers with work in flight would take N stop timeouts,
+past a pod's grace period. The embedded cluster runs as a process of its own (see
+test_kopf_shim.py for why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import kopf
+import pytest_asyncio
+
+import kopf_reconcile as kr
+from kopf_reconcile import kopf_shim
+from kopf_reconcile import settings as process_settings
+from kopf_reconcile.settings import Settings
+from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
+from support import eventually
+
+
+@pytest_asyncio.fixture
+async def cluster_url() -> AsyncIterator[str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kopf_reconcile.testing.cluster", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        url = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        yield url
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+@pytest_asyncio.fixture
+async def long_stop_timeout() -> AsyncIterator[None]:
+    """In-flight reconciles may take a minute to finish: far longer than the test waits."""
+    process_settings.install(Settings.load({"KOPF_RECONCILE_STOP_TIMEOUT": "60"}))
+    yield
+    process_settings.install(None)
+
+
+async def test_cleanup_stops_every_loop_at_once(cluster_url: str, long_stop_timeout: None) -> None:
+    registry = kopf.OperatorRegistry()
+    leases = MemoryLeaseStore()
+    holding: set[str] = set()
+    release = asyncio.Event()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=cluster_url)
+
+    def holds(reconciler_id: str) -> Any:
+        """A reconciler whose reconcile of ``held`` runs until the test releases it."""
+
+        async def reconcile(req: kr.Request) -> None:
+            if req.entity_id == "default/held":
+                holding.add(reconciler_id)
+                await release.wait()
+
+        return kr.reconciler(
+            "", "v1", "configmaps",
+            tenancy=kr.Tenancy.TENANT_SCOPED,
+            name=reconciler_id,
+            reconciler_id=reconciler_id,
+            leader=lambda: MemoryLeaseElector(leases),
+            fenced=None,
+            metrics=None,
+            registry=registry,
+        )(reconcile)  # fmt: skip
+
+    holds("drain-first")
+    holds("drain-second")
+    async with aiohttp.ClientSession(base_url=cluster_url) as http:
+        body = {"metadata": {"name": "held"}}
+        async with http.post("/api/v1/namespaces/default/configmaps", json=body) as response:
+            assert response.status == 201, await response.text()
+
+    stop = asyncio.Event()
+    operator = asyncio.create_task(
+        kopf.operator(registry=registry, namespaces=["default"], stop_flag=stop)
+    )
+    try:
+        await eventually(lambda: holding == {"drain-first", "drain-second"}, timeout=20)
+        stop.set()
+        # Both Loops are stopping (draining their reconcile) while neither has finished.
+        await eventually(
+            lambda: not any(s["running"] for s in kopf_shim.status(registry).values()),
+            timeout=10,
+            message="every Loop stopping while the first one still drains",
+        )
+        assert not release.is_set()
+    finally:
+        release.set()
+        await asyncio.wait_for(operator, 30)
+    assert leases.holder("drain-first") is None
+    assert leases.holder("drain-second") is None
