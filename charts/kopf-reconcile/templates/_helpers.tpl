@@ -23,3 +23,12 @@ policy/v1
 policy/v1beta1
 {{- end -}}
 {{- end -}}
+
+{{- define "kopf-reconcile.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The ServiceAccount of the test hook: it reads the leases and the operator's pods. */}}
+{{- define "kopf-reconcile.testName" -}}
+{{- printf "%s-test" (include "kopf-reconcile.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
