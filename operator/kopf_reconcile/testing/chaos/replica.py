@@ -1,0 +1,72 @@
+"""An operator replica that also reports its leadership, stamped on the shared monotonic clock.
+
+``python -m kopf_reconcile.testing.chaos.replica EVENTS -- run handlers.py ...`` is
+exactly ``kopf-reconcile run handlers.py ...`` (the same ``cli.main``, in the same
+process), plus one probe: every time a lease holder of this process starts or
+stops leading, one JSON line is appended to ``EVENTS`` and flushed at once::
+
+    {"event": "lead", "t": 1234.5, "pid": 42, "reconciler": "...", "holder": "...", "epoch": 3}
+    {"event": "lose", "t": 1236.0, "pid": 42, "reconciler": "...", "holder": "...", "epoch": 3}
+
+``t`` is ``time.monotonic()``: ``CLOCK_MONOTONIC`` is one clock for every process
+of a machine, so the chaos harness can lay the intervals of all replicas side by
+side and count how many believed they led at once. The stamps are conservative:
+``lead`` is stamped just *before* the holder starts leading, ``lose`` just *after*
+it has given up (a step-down, a stop, an abandoned stop), so a reported interval
+always covers the real one. A process killed while leading writes no ``lose``; the
+harness ends its interval at the moment it sent the SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import IO, Any
+
+from kopf_reconcile import cli
+from kopf_reconcile.leader.holding import LeaseHolder
+from kopf_reconcile.leader.protocol import LeaseToken
+
+_lock = threading.Lock()
+
+
+def install_probe(stream: IO[str]) -> None:
+    """Wrap ``LeaseHolder``'s two leadership transitions to report them to ``stream``."""
+
+    def emit(event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, "t": time.monotonic(), "pid": os.getpid(), **fields})
+        with _lock:
+            stream.write(line + "\n")
+            stream.flush()
+
+    lead = LeaseHolder._lead
+    give_up = LeaseHolder._give_up_locally
+
+    def probed_lead(self: LeaseHolder, token: LeaseToken, sent: float) -> None:
+        emit("lead", reconciler=token.reconciler_id, holder=token.holder_id, epoch=token.epoch)
+        lead(self, token, sent)
+
+    def probed_give_up(self: LeaseHolder) -> None:
+        was_leading = self.leading
+        give_up(self)
+        if was_leading:
+            emit("lose", reconciler=self._reconciler_id, epoch=self.epoch)
+
+    setattr(LeaseHolder, "_lead", probed_lead)  # noqa: B010
+    setattr(LeaseHolder, "_give_up_locally", probed_give_up)  # noqa: B010
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[1] != "--":
+        print("usage: python -m kopf_reconcile.testing.chaos.replica EVENTS -- run ...")
+        return 2
+    with open(argv[0], "a", encoding="utf-8") as stream:
+        install_probe(stream)
+        return cli.main(argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
