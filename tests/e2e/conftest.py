@@ -7,6 +7,8 @@ installed and discoverable); ``store`` reads what the example wrote to PostgreSQ
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +19,23 @@ from operator_e2e import CRDS, DEVICES_CRD, RECONCILER_ID, Devices, Operators, S
 
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from support import eventually
+
+
+@pytest_asyncio.fixture
+async def cluster_url() -> AsyncIterator[str]:
+    """An embedded cluster as a process of its own (``python -m kopf_reconcile.testing.cluster``),
+    for tests that run kopf in this process."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kopf_reconcile.testing.cluster", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        url = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        yield url
+    finally:
+        process.terminate()
+        await process.wait()
 
 
 @pytest_asyncio.fixture

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -66,20 +65,6 @@ def gadget_crd() -> dict[str, Any]:
             ],
         },
     }
-
-
-@pytest_asyncio.fixture
-async def cluster_url() -> AsyncIterator[str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kopf_reconcile.testing.cluster", stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        assert process.stdout is not None
-        url = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
-        yield url
-    finally:
-        process.terminate()
-        await process.wait()
 
 
 @pytest_asyncio.fixture

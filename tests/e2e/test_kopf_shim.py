@@ -9,7 +9,6 @@ long-lived watch handlers would count as tasks of the operator, which kopf cance
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,22 +47,6 @@ class Seen:
 
     def count(self, entity_id: str) -> int:
         return len(self.calls.get(entity_id, []))
-
-
-@pytest_asyncio.fixture
-async def cluster_url() -> AsyncIterator[str]:
-    """An embedded cluster as a process (``python -m kopf_reconcile.testing.cluster``)."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kopf_reconcile.testing.cluster", stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        assert process.stdout is not None
-        url = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
-        assert url.startswith("http://127.0.0.1:"), url
-        yield url
-    finally:
-        process.terminate()
-        await process.wait()
 
 
 @pytest_asyncio.fixture

@@ -9,7 +9,6 @@ test_kopf_shim.py for why).
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,21 +22,6 @@ from kopf_reconcile import settings as process_settings
 from kopf_reconcile.settings import Settings
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import eventually
-
-
-@pytest_asyncio.fixture
-async def cluster_url() -> AsyncIterator[str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kopf_reconcile.testing.cluster", stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        assert process.stdout is not None
-        url = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
-        assert url.startswith("http://127.0.0.1:"), url
-        yield url
-    finally:
-        process.terminate()
-        await process.wait()
 
 
 @pytest_asyncio.fixture
