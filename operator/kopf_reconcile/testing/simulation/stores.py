@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
@@ -32,6 +32,8 @@ from kopf_reconcile.tenancy import Tenancy
 __all__ = ["Applied", "FenceStore", "Granted", "LeaseStore", "Led", "Record"]
 
 Clock = Callable[[], float]
+#: A replica's store-call boundary (the nemesis sits there): ``await io(operation, effect)``.
+IO = Callable[[str, Callable[[], object]], Awaitable[object]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +149,7 @@ class StoreElector:
         store: LeaseStore,
         holder_id: str,
         ttl: float,
-        io: Callable[[str, Callable[[], object]], object],
+        io: IO,
     ) -> None:
         self.store = store
         self.holder_id = holder_id
@@ -163,7 +165,7 @@ class StoreElector:
 
     async def acquire_lease(self, reconciler_id: str) -> LeaseToken:
         seed = await self._epochs.next_epoch(reconciler_id, self.store.epoch_of(reconciler_id))
-        record = await self._call(
+        record = await self._io(
             "acquire",
             lambda: self.store.take(reconciler_id, self.holder_id, self.ttl.seconds, seed),
         )
@@ -173,7 +175,7 @@ class StoreElector:
         return LeaseToken(reconciler_id, self.holder_id, record.epoch, now, now)
 
     async def renew_lease(self, token: LeaseToken) -> None:
-        await self._call(
+        await self._io(
             "renew",
             lambda: self.store.renew(
                 token.reconciler_id, token.holder_id, token.epoch, self.ttl.seconds
@@ -181,18 +183,13 @@ class StoreElector:
         )
 
     async def release_lease(self, token: LeaseToken) -> None:
-        await self._call(
+        await self._io(
             "release",
             lambda: self.store.release(token.reconciler_id, token.holder_id, token.epoch),
         )
 
     async def wait_for_release(self, reconciler_id: str) -> None:
         await self.store.released(reconciler_id).wait()
-
-    async def _call(self, operation: str, effect: Callable[[], object]) -> object:
-        result = self._io(operation, effect)
-        assert asyncio.iscoroutine(result) or isinstance(result, asyncio.Future)
-        return await result
 
 
 class FenceStore:
@@ -242,7 +239,7 @@ class StoreRepository:
         self,
         store: FenceStore,
         writer: str,
-        io: Callable[[str, Callable[[], object]], object],
+        io: IO,
         write_timeout: float,
     ) -> None:
         self.store = store
@@ -257,23 +254,16 @@ class StoreRepository:
 
     async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
         async with asyncio.timeout(self._write_timeout):  # as the real repository's
-            accepted = await self._call(
+            accepted = await self._io(
                 "write",
                 lambda: self.store.apply(self.scope, entity_id, epoch, mutation, self.writer),
             )
         return bool(accepted)
 
     async def record_epoch(self, epoch: int, holder: str) -> None:
-        await self._call(
-            "record", lambda: self.store.record(self.scope, epoch, self._lease, holder)
-        )
+        await self._io("record", lambda: self.store.record(self.scope, epoch, self._lease, holder))
 
     async def highest_epoch(self) -> int:
-        highest = await self._call("floor", lambda: self.store.highest(self.scope))
+        highest = await self._io("floor", lambda: self.store.highest(self.scope))
         assert isinstance(highest, int)
         return highest
-
-    async def _call(self, operation: str, effect: Callable[[], object]) -> object:
-        result = self._io(operation, effect)
-        assert asyncio.iscoroutine(result) or isinstance(result, asyncio.Future)
-        return await result
