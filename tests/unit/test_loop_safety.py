@@ -77,6 +77,19 @@ class Overlap:
             self.active[entity] -= 1
 
 
+class Blocking:
+    """A sync reconciler whose reconcile of ``x`` blocks its thread until let go."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.let_go = threading.Event()
+
+    def __call__(self, req: kr.Request) -> None:
+        if req.entity_id == "x":
+            self.entered.set()
+            self.let_go.wait(10)
+
+
 # -- the lease is never released while guarded work runs ----------------------------------
 
 
@@ -140,14 +153,8 @@ async def test_a_peer_never_takes_over_while_a_sync_reconcile_still_runs(how: st
 async def test_a_reconcile_that_outlives_its_lease_lets_the_lease_lapse_unreleased() -> None:
     store = MemoryLeaseStore()
     elector = MemoryLeaseElector(store, kr.LeaseTTL(0.6))
-    entered = threading.Event()
-    let_go = threading.Event()
-
-    def stuck(req: kr.Request) -> None:
-        if req.entity_id == "x":
-            entered.set()
-            let_go.wait(10)
-
+    stuck = Blocking()
+    entered, let_go = stuck.entered, stuck.let_go
     loop = leader_loop(stuck, elector, stop_timeout=0.05)
     await loop.start()
     try:
@@ -440,14 +447,8 @@ async def test_the_deadline_of_a_new_leader_counts_from_its_confirming_renewal()
 async def test_a_successor_on_the_same_elector_waits_for_the_threads_of_a_cancelled_stop() -> None:
     store = MemoryLeaseStore()
     elector = MemoryLeaseElector(store, kr.LeaseTTL(3))
-    entered = threading.Event()
-    let_go = threading.Event()
-
-    def slow(req: kr.Request) -> None:
-        if req.entity_id == "x":
-            entered.set()
-            let_go.wait(10)
-
+    slow = Blocking()
+    entered, let_go = slow.entered, slow.let_go
     first = leader_loop(slow, elector, stop_timeout=0.05)
     await first.start()
     try:
