@@ -221,9 +221,13 @@ class Loop:
         if self._started:
             raise RuntimeError(f"loop {self._name!r} was already started")
         self._validate()
+        cfg = self._config
+        # What may still refuse this Loop comes before it claims its lease: a refused
+        # start must leave no claim behind.
+        if isinstance(cfg.fenced_repo, LoopBoundRepository):
+            cfg.fenced_repo.bind_loop(reconciler_id=self._reconciler_id, tenancy=cfg.tenancy)
         self._claim_lease()
         self._started = True
-        cfg = self._config
         self._loop = asyncio.get_running_loop()
         self._queue = WorkQueue(
             backoff_base=cfg.backoff_base, backoff_max=cfg.backoff_max, rng=cfg.rng
@@ -240,8 +244,6 @@ class Loop:
         )
         self._m.max_concurrent.set(cfg.concurrency)
         self._metered = cfg.metrics is not None
-        if isinstance(cfg.fenced_repo, LoopBoundRepository):
-            cfg.fenced_repo.bind_loop(reconciler_id=self._reconciler_id, tenancy=cfg.tenancy)
         if self._recorder is not None and isinstance(cfg.leader, FloorAwareElector):
             cfg.leader.use_epoch_floor(self._reconciler_id, self._recorder.highest_epoch)
             self._floor_elector = cfg.leader

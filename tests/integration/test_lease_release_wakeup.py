@@ -161,6 +161,30 @@ async def test_one_cut_watch_is_watched_again_at_once(embedded_cluster: Embedded
             await finish(waiting)
 
 
+async def test_dropped_watches_between_healthy_ones_never_stop_the_watching(
+    embedded_cluster: EmbeddedCluster,
+) -> None:
+    async with embedded_cluster.api_client() as api:
+        a, b = (KubernetesLeaseElector("default", ttl=LONG_TTL, api=api) for _ in range(2))
+        token = await a.acquire_lease(RID)
+        for _ in range(3):  # a healthy watch (2.5 s), then one dropped connection
+            with pytest.raises(kr.LeaseContended):
+                await b.acquire_lease(RID)
+            waiting = asyncio.create_task(b.wait_for_release(RID))
+            assert await pending_for_a_while(waiting, 2.5)
+            embedded_cluster.cut_watches()
+            await asyncio.wait_for(waiting, WAKE_DEADLINE)
+        with pytest.raises(kr.LeaseContended):
+            await b.acquire_lease(RID)
+        waiting = asyncio.create_task(b.wait_for_release(RID))
+        try:
+            assert await pending_for_a_while(waiting)
+            await a.release_lease(token)
+            await asyncio.wait_for(waiting, WAKE_DEADLINE)
+        finally:
+            await finish(waiting)
+
+
 # -- PostgreSQL ------------------------------------------------------------------------------
 
 PgFactory = Callable[..., PostgresLeaseElector]
@@ -363,3 +387,26 @@ async def test_a_release_between_the_contended_read_and_the_wait_is_not_missed(
     await a.release_lease(token)
     await asyncio.sleep(0.2)  # the news arrives before the wait starts
     await asyncio.wait_for(b.wait_for_release(RID), WAKE_DEADLINE)
+
+
+async def test_a_release_heard_during_the_first_contended_read_is_counted(
+    pg_elector: PgFactory,
+) -> None:
+    holder, follower = pg_elector(), pg_elector()
+    token = await holder.acquire_lease(RID)
+    read = follower._read_heard
+    reads = 0
+
+    async def read_then_release(pool: Any, reconciler_id: str) -> Any:
+        nonlocal reads
+        reads += 1
+        heard = await read(pool, reconciler_id)  # it saw the lease held...
+        if reads == 2:  # ...on the re-read that listens; the release is heard before it resumes
+            await holder.release_lease(token)
+            await asyncio.sleep(0.3)
+        return heard
+
+    follower._read_heard = read_then_release  # type: ignore[method-assign]
+    with pytest.raises(kr.LeaseContended):
+        await follower.acquire_lease(RID)
+    await asyncio.wait_for(follower.wait_for_release(RID), WAKE_DEADLINE)

@@ -492,3 +492,16 @@ async def test_spurious_release_wakeups_space_out_the_acquire_attempts() -> None
             await asyncio.sleep(2.0)
     # Without spacing: one attempt per 10 ms (about 200); doubling gaps up to the 1 s retry.
     assert NoisyElector.attempts < 30, NoisyElector.attempts
+
+
+async def test_a_start_refused_by_its_repository_leaves_no_claim_behind() -> None:
+    from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+
+    elector = MemoryLeaseElector(MemoryLeaseStore(), kr.LeaseTTL(3))
+    taken = PostgresFencedRepository("postgresql://nobody@127.0.0.1:1/x")  # never connects
+    taken.bind_loop(reconciler_id="somebody-else", tenancy=kr.Tenancy.SINGLE_TENANT)
+    refused = leader_loop(noop, elector, repo=taken)  # kept alive, as a caller would
+    with pytest.raises(kr.ConfigError, match="already bound"):
+        await refused.start()
+    async with leader_loop(noop, elector, repo=MemoryFencedRepository()) as corrected:
+        await eventually(lambda: corrected.stats().is_leader)

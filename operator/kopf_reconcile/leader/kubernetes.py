@@ -104,7 +104,7 @@ from kubernetes_asyncio.config.config_exception import ConfigException
 from kubernetes_asyncio.config.kube_config import list_kube_config_contexts
 
 from kopf_reconcile._cogs.closing import AsyncClosing
-from kopf_reconcile._cogs.errors import describe_error
+from kopf_reconcile._cogs.errors import describe_error, is_permanent
 from kopf_reconcile._cogs.identity import unique_holder_id
 from kopf_reconcile.config import ConfigError, Duration
 from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
@@ -155,6 +155,8 @@ _WATCH_ATTEMPTS = 2
 _GONE = "410 Gone"
 # Consecutive failed watches before followers stop watching for a lease duration.
 _WATCH_FAILURES_TOLERATED = 3
+# A watch that stayed open this long (seconds) was working: it ends a run of failures.
+_WATCH_HEALTHY = 2.0
 # A watch connection silent this much longer than the watch's own timeout is dead.
 _WATCH_SLACK = 5.0
 
@@ -239,7 +241,7 @@ class KubernetesLeaseElector(AsyncClosing):
         # Until then (monotonic), followers do not watch: watching failed repeatedly (see
         # wait_for_release); one dropped connection is just watched again.
         self._watch_backoff_until = 0.0
-        self._watch_failures = 0
+        self._watch_failures: dict[str, int] = {}  # failed watches in a row, per lease
 
     @property
     def holder_id(self) -> str:
@@ -369,19 +371,25 @@ class KubernetesLeaseElector(AsyncClosing):
         if pause > 0:
             await asyncio.sleep(pause)
             return
+        started = time.monotonic()
         try:
             failure = await self._watch(reconciler_id, holder, version)
         except (ApiException, aiohttp.ClientError, OSError, ValueError) as exc:
-            # A refusal (403, ...) will not change by itself; a dropped connection may: it
-            # is answered like a spurious wake-up (one acquire attempt, then a new watch).
-            refused = isinstance(exc, ApiException)
-            if self._stop_watching(reconciler_id, describe_error(exc), at_once=refused):
+            # A refusal (403, ...) will not change by itself; a dropped connection or a
+            # 5xx may: it is answered like a spurious wake-up (one acquire attempt, then a
+            # new watch), up to a few in a row.
+            if self._stop_watching(
+                reconciler_id, describe_error(exc), started, at_once=is_permanent(exc)
+            ):
                 raise
             return
+        finally:
+            if time.monotonic() - started >= _WATCH_HEALTHY:  # it watched: the run is broken
+                self._watch_failures.pop(reconciler_id, None)
         if failure is not None:
-            self._stop_watching(reconciler_id, failure)
+            self._stop_watching(reconciler_id, failure, started)
         else:
-            self._watch_failures = 0
+            self._watch_failures.pop(reconciler_id, None)
 
     async def _watch(self, reconciler_id: str, holder: str, version: str) -> str | None:
         """``None`` once the Lease was released, changed hands or went; else why not known."""
@@ -449,13 +457,17 @@ class KubernetesLeaseElector(AsyncClosing):
             return None  # the server ended it at timeoutSeconds: worth an attempt anyway
         return "the watch ended early"
 
-    def _stop_watching(self, reconciler_id: str, why: str, *, at_once: bool = False) -> bool:
+    def _stop_watching(
+        self, reconciler_id: str, why: str, started: float, *, at_once: bool = False
+    ) -> bool:
         """Count a failed watch; True once followers stop watching for a lease duration."""
-        self._watch_failures += 1
-        if self._watch_failures < _WATCH_FAILURES_TOLERATED and not at_once:
+        healthy = time.monotonic() - started >= _WATCH_HEALTHY
+        failures = 1 if healthy else self._watch_failures.get(reconciler_id, 0) + 1
+        self._watch_failures[reconciler_id] = failures
+        if failures < _WATCH_FAILURES_TOLERATED and not at_once:
             logger.debug("watching %s ended: %s", self._where(reconciler_id), why)
             return False
-        self._watch_failures = 0
+        self._watch_failures.pop(reconciler_id, None)
         self._watch_backoff_until = time.monotonic() + self._duration
         logger.warning(
             "watching %s for a release failed (%s); for %d s followers only retry every "

@@ -229,6 +229,8 @@ class PostgresLeaseElector(AsyncClosing):
         except asyncpg.NumericValueOutOfRangeError:  # epoch + 1 past bigint: a tampered row
             raise LeaseEpochExhausted(self._exhausted(reconciler_id, "its row")) from None
         if row is None:
+            # Followed before the first read: a release heard in between is counted.
+            self._followed.add(_payload(reconciler_id))
             heard, current = await self._read_heard(pool, reconciler_id)
             if current is not None and not self._is_listening():
                 # Contended: listen from now on, and read again, so that a release after
@@ -237,7 +239,6 @@ class PostgresLeaseElector(AsyncClosing):
                 heard, current = await self._read_heard(pool, reconciler_id)
             if current is not None:
                 self._heard_at_read[reconciler_id] = heard
-                self._followed.add(_payload(reconciler_id))
                 self._epochs.saw(reconciler_id, int(current["epoch"]))
                 remaining = (current["expires_at"] - current["now"]).total_seconds()
                 raise LeaseContended(_describe(reconciler_id, current), retry_after=remaining)
@@ -421,9 +422,9 @@ class PostgresLeaseElector(AsyncClosing):
             except BaseException as exc:
                 if connection is not None:
                     connection.terminate()
-                self._listen_backoff_until = time.monotonic() + self._ttl.seconds
                 if not isinstance(exc, Exception):
-                    raise  # cancelled: let it through, with nothing left open
+                    raise  # cancelled (one caller's deadline): let it through, nothing left open
+                self._listen_backoff_until = time.monotonic() + self._ttl.seconds
                 logger.warning(
                     "cannot listen for lease releases on channel %r at %s (%r); for %.0f s "
                     "followers only retry every renew interval",
