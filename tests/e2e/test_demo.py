@@ -72,11 +72,14 @@ def _processes() -> dict[int, str]:
 
 def test_interrupted_demo_leaves_no_process_or_directory_behind() -> None:
     before = _processes()
-    temp = Path(tempfile.gettempdir())
+    # A temporary directory of its own (short: PostgreSQL's socket path must fit), so other
+    # runs' directories are not taken for the demo's leftovers.
+    temp = Path(tempfile.mkdtemp(prefix="kr-demo-"))
     entries_before = set(temp.iterdir())
     demo = subprocess.Popen(
         [*DEMO, "--objects", "20", "--ttl", "2"],
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(temp)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -115,3 +118,4 @@ def test_interrupted_demo_leaves_no_process_or_directory_behind() -> None:
     assert not alive, f"left running: {alive}"
     left = {p for p in set(temp.iterdir()) - entries_before if os.path.exists(p)}
     assert not left, f"left behind: {left}"
+    temp.rmdir()
