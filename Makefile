@@ -47,6 +47,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check operator tests benchmarks scripts
 	$(BIN)/ruff format --check operator tests benchmarks scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from kopf_reconcile.testing.cluster import EmbeddedCluster
+from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 MERGE = {"Content-Type": "application/merge-patch+json"}

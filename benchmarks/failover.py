@@ -37,9 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliabil
 
 from fleet import ELECTORS, Event, Replica, first_event, lease_store, replicas
 
-from kopf_reconcile.leader.holding import ACQUIRE_RETRY_JITTER
-from kopf_reconcile.leader.kubernetes import DEFAULT_LEASE_TTL
-from kopf_reconcile.loop import DEFAULT_RENEW_INTERVAL
+from kopf_reconcile.control.holding import ACQUIRE_RETRY_JITTER
+from kopf_reconcile.leader.timing import DEFAULT_LEASE_TTL, DEFAULT_RETRY_PERIOD
 
 STARTUP = 30.0
 RELEASE_GOAL = 1.0
@@ -134,7 +133,7 @@ async def main() -> None:
         print(summary("graceful stop", stops, args.ttl, RELEASE_GOAL))
     if args.default_runs <= 0:
         return
-    ttl, renew = DEFAULT_LEASE_TTL.seconds, DEFAULT_RENEW_INTERVAL
+    ttl, renew = DEFAULT_LEASE_TTL.seconds, DEFAULT_RETRY_PERIOD
     print(
         f"graceful stop at the defaults: {args.default_runs} runs per elector, TTL {ttl:g}s, "
         f"renew every {renew:g}s (acquire retry up to {renew * ACQUIRE_RETRY_JITTER:.2f}s)"

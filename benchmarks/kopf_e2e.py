@@ -43,7 +43,7 @@ import asyncpg
 import yaml
 from aiohttp import web
 
-from kopf_reconcile.testing.cluster import EmbeddedCluster
+from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
 ROOT = Path(__file__).parents[1]

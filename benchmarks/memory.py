@@ -60,7 +60,7 @@ async def measure(n: int) -> dict[str, tuple[int, int]]:
         points["idle loop"] = (heap(), rss())
         for entity in ids:
             await loop.enqueue(kr.Request(entity))
-        while loop._queue.delayed_count < n:  # noqa: ASYNC110 - polling the loop's state
+        while loop._queue.work_queue.delayed_count < n:  # noqa: ASYNC110 - polling the loop's state
             await asyncio.sleep(0.05)
         points[f"{n:,} in backoff"] = (heap(), rss())
         failing = False

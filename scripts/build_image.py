@@ -36,7 +36,7 @@ from pathlib import Path
 
 from real_apiserver import SetupError, debian_source_entries, install_packages, run
 
-from kopf_reconcile.testing.apiserver import cache_dir
+from kopf_reconcile.testing.real_apiserver import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Bumped whenever the recipe changes, so that an older base or image is not reused.

@@ -37,7 +37,7 @@ from real_apiserver import (
     run,
 )
 
-from kopf_reconcile.testing.apiserver import KUBE_VERSION, cache_dir
+from kopf_reconcile.testing.real_apiserver import KUBE_VERSION, cache_dir
 
 #: Bumped whenever the recipe changes, so that older cached builds go unused.
 NODE_BUILD_REVISION = 1

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kopf_reconcile.testing.apiserver import KUBE_VERSION, apiserver_binary, cache_dir
+from kopf_reconcile.testing.real_apiserver import KUBE_VERSION, apiserver_binary, cache_dir
 
 SOURCE_PACKAGE = "kubernetes"
 SOURCE_VERSION = "1.20.5+really1.20.2-1.1+deb12u1"

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from kopf_reconcile.testing.apiserver import RealCluster, RealClusterError
+from kopf_reconcile.testing.real_apiserver import RealCluster, RealClusterError
 
 SKIP_REAL_VARIABLE = "KOPF_RECONCILE_SKIP_REAL_APISERVER"
 

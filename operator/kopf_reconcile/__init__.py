@@ -15,10 +15,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kopf_reconcile.api import PermanentError, Reconciler, Request, Result
+from kopf_reconcile.api import ConfigError, PermanentError, Reconciler, Request, Result
 from kopf_reconcile.builder import Builder, new
 from kopf_reconcile.cache import cached
-from kopf_reconcile.config import ConfigError
 from kopf_reconcile.fencing.protocol import FencedRepository, StaleEpochError
 from kopf_reconcile.fencing.writer import FencedWriter, fenced_writer
 from kopf_reconcile.leader.protocol import (
@@ -36,7 +35,7 @@ from kopf_reconcile.triggers import ChannelTrigger, TickerTrigger, Trigger
 
 if TYPE_CHECKING:
     from kopf_reconcile.fencing.postgres import PostgresFencedRepository
-    from kopf_reconcile.kopf_shim import reconciler
+    from kopf_reconcile.integration.kopf_shim import reconciler
     from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
     from kopf_reconcile.leader.postgres import PostgresLeaseElector
 
@@ -77,7 +76,7 @@ __all__ = [
 # Names whose modules import kopf, kubernetes-asyncio or asyncpg: loaded on first use,
 # so importing the kernel stays cheap (and free of kopf).
 _LAZY = {
-    "reconciler": "kopf_reconcile.kopf_shim",
+    "reconciler": "kopf_reconcile.integration.kopf_shim",
     "KubernetesLeaseElector": "kopf_reconcile.leader.kubernetes",
     "PostgresLeaseElector": "kopf_reconcile.leader.postgres",
     "PostgresFencedRepository": "kopf_reconcile.fencing.postgres",

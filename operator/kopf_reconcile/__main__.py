@@ -2,7 +2,7 @@
 
 import sys
 
-from kopf_reconcile.cli import main
+from kopf_reconcile.integration.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

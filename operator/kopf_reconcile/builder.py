@@ -1,10 +1,11 @@
 """The one way to construct a Loop: ``Builder(reconciler, tenancy).with_...().build()``.
 
-Build-time checks catch what makes a Loop meaningless (no reconciler, no
-declared tenancy, no trigger, fencing without a leadership epoch); value
-ranges (concurrency, intervals, backoff, reconciler id, renew interval vs.
-lease TTL) are checked when the Loop starts. Every failure is a
-:class:`~kopf_reconcile.ConfigError` naming the option and the value.
+``build()`` refuses what makes a Loop meaningless (no reconciler, no trigger,
+fencing without a leadership epoch), then has the configuration check itself
+(:meth:`~kopf_reconcile.config.LoopConfig.validate`: tenancy, value ranges,
+reconciler id, the lease timing of the elector and the renew interval, declared
+capabilities). Every failure is a :class:`~kopf_reconcile.ConfigError` naming
+the option and the value.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import dataclasses
 import random
 from typing import Self
 
-from kopf_reconcile.api import ReconcilerLike, as_reconcile_fn
-from kopf_reconcile.config import ConfigError, Duration, seconds
+from kopf_reconcile.api import ConfigError, Duration, ReconcilerLike, as_reconcile_fn, seconds
+from kopf_reconcile.config import LoopConfig
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.leader.protocol import LeaderElector
-from kopf_reconcile.loop import Loop, LoopConfig
+from kopf_reconcile.loop import Loop
 from kopf_reconcile.metrics import Metrics
 from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.triggers import Trigger
@@ -82,7 +83,7 @@ class Builder:
         return self
 
     def with_renew_interval(self, interval: Duration) -> Self:
-        """How often the lease is renewed. Default 2 s; must be below 2/3 of the lease TTL."""
+        """How often the lease is renewed. Default 2 s; below 2/3 of the lease TTL (LeaseTiming)."""
         self._config.renew_interval = seconds("renew_interval", interval)
         return self
 
@@ -113,29 +114,27 @@ class Builder:
         return self
 
     def build(self) -> Loop:
-        """Check the configuration is meaningful and construct the Loop."""
-        cfg = self._config
-        as_reconcile_fn(cfg.reconciler)  # raises ConfigError when missing or not callable
-        if not isinstance(cfg.tenancy, Tenancy):
-            raise ConfigError(
-                f"tenancy must be Tenancy.SINGLE_TENANT or Tenancy.TENANT_SCOPED, "
-                f"got {cfg.tenancy!r}"
+        """Check the configuration is meaningful and valid, and construct the Loop."""
+        config = dataclasses.replace(self._config, triggers=list(self._config.triggers))
+        as_reconcile_fn(config.reconciler)  # raises ConfigError when missing or not callable
+        if config.leader is not None:
+            _require_methods(
+                "leader", config.leader, "acquire_lease", "renew_lease", "release_lease"
             )
-        if not cfg.triggers:
+        if config.fenced_repo is not None:
+            _require_methods("fenced repo", config.fenced_repo, "apply_fenced")
+        config.validate()
+        if not config.triggers:
             raise ConfigError(
                 "trigger: a loop needs at least one with_trigger(...); without one it never "
                 "receives work"
             )
-        if cfg.leader is not None:
-            _require_methods("leader", cfg.leader, "acquire_lease", "renew_lease", "release_lease")
-        if cfg.fenced_repo is not None:
-            _require_methods("fenced repo", cfg.fenced_repo, "apply_fenced")
-            if cfg.leader is None:
-                raise ConfigError(
-                    "fenced repo: with_fenced_repo() requires with_leader(); without a "
-                    "leadership epoch every write would carry epoch 0 and nothing is fenced"
-                )
-        return Loop(dataclasses.replace(cfg, triggers=list(cfg.triggers)))
+        if config.fenced_repo is not None and config.leader is None:
+            raise ConfigError(
+                "fenced repo: with_fenced_repo() requires with_leader(); without a "
+                "leadership epoch every write would carry epoch 0 and nothing is fenced"
+            )
+        return Loop(config)
 
 
 def new(reconciler: ReconcilerLike, tenancy: Tenancy) -> Builder:

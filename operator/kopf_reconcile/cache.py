@@ -40,7 +40,7 @@ selection) requests nothing. An object that leaves the selection is forgotten
 with :meth:`ObjectCache.forget`, one incarnation at a time and without being
 marked deleted, since it may match again. A deletion the watch missed while it
 had to list again is reported by the kopf shim as a DELETED (see
-:mod:`kopf_reconcile.relisting`).
+:mod:`kopf_reconcile.integration.relisting`).
 """
 
 from __future__ import annotations

@@ -1,42 +1,166 @@
-"""Configuration values and their validation.
+"""The configuration of a Loop: its options, their defaults, and the rules they obey.
 
-Every configuration error the framework raises is a :class:`ConfigError`
-(a :class:`ValueError`) whose message names the option and the bad value, so
-a misconfigured operator fails at build or start time with a sentence a user
-can act on, never later with a confusing runtime error.
+A :class:`~kopf_reconcile.Builder` (and the kopf shim, at decoration time) collects
+a :class:`LoopConfig`; :meth:`LoopConfig.validate` checks it once, before a Loop
+exists, and every failure is a :class:`~kopf_reconcile.ConfigError` naming the
+option and the bad value. Durations are float seconds (a ``timedelta`` is accepted
+by the Builder and converted by :func:`~kopf_reconcile.api.seconds`).
 
-Durations are float seconds everywhere; a :class:`datetime.timedelta` is
-accepted too and converted here, in one place.
+The defaults are controller-runtime's and client-go's unless said otherwise. Lease
+timing (TTL, renew deadline, renew interval) is one value of its own,
+:class:`~kopf_reconcile.leader.timing.LeaseTiming`, built here from the elector's
+declared TTL and the renew interval.
 """
 
 from __future__ import annotations
 
-import datetime
-import math
+import dataclasses
+import random
+import re
 
-Duration = float | int | datetime.timedelta
+from kopf_reconcile.api import ConfigError, as_reconcile_fn
+from kopf_reconcile.fencing.protocol import EpochRecordingRepository, FencedRepository
+from kopf_reconcile.leader.protocol import ElectorWithTTL, LeaderElector, LeaseTTL
+from kopf_reconcile.leader.timing import DEFAULT_RETRY_PERIOD, LeaseTiming
+from kopf_reconcile.metrics import Metrics
+from kopf_reconcile.tenancy import Tenancy
+from kopf_reconcile.triggers import Trigger
+
+__all__ = [
+    "DEFAULT_BACKOFF_BASE",
+    "DEFAULT_BACKOFF_MAX",
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_INTAKE_CAPACITY",
+    "DEFAULT_INTERVAL",
+    "DEFAULT_STOP_TIMEOUT",
+    "LoopConfig",
+    "default_reconciler_id",
+    "validate_reconciler_id",
+]
+
+DEFAULT_CONCURRENCY = 1  # controller-runtime MaxConcurrentReconciles
+DEFAULT_INTERVAL = 10 * 3600.0  # controller-runtime SyncPeriod: 10 h
+DEFAULT_BACKOFF_BASE = 0.005  # client-go DefaultControllerRateLimiter: 5 ms
+DEFAULT_BACKOFF_MAX = 1000.0  # ... capped at 1000 s
+DEFAULT_STOP_TIMEOUT = 30.0  # controller-runtime GracefulShutdownTimeout
+DEFAULT_INTAKE_CAPACITY = 100_000  # ready entities before emit() blocks
+
+_RFC1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
 
 
-class ConfigError(ValueError):
-    """A configuration option has an invalid value; the message names both."""
+@dataclasses.dataclass
+class LoopConfig:
+    """Everything a Builder collected; checked by :meth:`validate` before a Loop is built."""
+
+    reconciler: object
+    tenancy: Tenancy
+    triggers: list[Trigger]
+    concurrency: int = DEFAULT_CONCURRENCY
+    interval: float = DEFAULT_INTERVAL
+    backoff_base: float = DEFAULT_BACKOFF_BASE
+    backoff_max: float = DEFAULT_BACKOFF_MAX
+    leader: LeaderElector | None = None
+    fenced_repo: FencedRepository | None = None
+    metrics: Metrics | None = None
+    name: str | None = None
+    reconciler_id: str | None = None
+    renew_interval: float = DEFAULT_RETRY_PERIOD
+    default_requeue: bool = True
+    intake_capacity: int = DEFAULT_INTAKE_CAPACITY
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT
+    rng: random.Random = dataclasses.field(default_factory=random.Random)
+
+    def names(self) -> tuple[str, str]:
+        """The controller name (metrics, logs) and the reconciler id (lease, fencing scope)."""
+        name, _ = as_reconcile_fn(self.reconciler)
+        if self.name is not None:
+            name = self.name
+        rid = default_reconciler_id(name) if self.reconciler_id is None else self.reconciler_id
+        return name, rid
+
+    def validate(self) -> None:
+        """Check every option and how they combine; a ConfigError names the first bad one."""
+        if not isinstance(self.tenancy, Tenancy):
+            raise ConfigError(
+                f"tenancy must be Tenancy.SINGLE_TENANT or Tenancy.TENANT_SCOPED, "
+                f"got {self.tenancy!r}"
+            )
+        if (
+            isinstance(self.concurrency, bool)
+            or not isinstance(self.concurrency, int)
+            or self.concurrency < 1
+        ):
+            raise ConfigError(f"concurrency must be an integer >= 1, got {self.concurrency!r}")
+        if self.interval <= 0:
+            raise ConfigError(f"interval must be > 0 seconds, got {self.interval!r}")
+        if self.backoff_base <= 0:
+            raise ConfigError(f"backoff base must be > 0 seconds, got {self.backoff_base!r}")
+        if self.backoff_base > self.backoff_max:
+            raise ConfigError(
+                f"backoff base ({self.backoff_base!r} s) must not exceed backoff max "
+                f"({self.backoff_max!r} s)"
+            )
+        capacity = self.intake_capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise ConfigError(f"intake capacity must be an integer, got {capacity!r}")
+        if capacity < 1:
+            raise ConfigError(f"intake capacity must be >= 1, got {capacity!r}")
+        if self.stop_timeout < 0:
+            raise ConfigError(f"stop timeout must be >= 0 seconds, got {self.stop_timeout!r}")
+        validate_reconciler_id(self.names()[1])
+        repo = self.fenced_repo
+        if repo is not None and not isinstance(repo, FencedRepository):
+            raise ConfigError(f"fenced repo {repo!r} is not a FencedRepository (apply_fenced)")
+        if self.leader is None:
+            return
+        self.lease_timing()
+        if repo is not None and not isinstance(repo, EpochRecordingRepository):
+            raise ConfigError(
+                f"fenced repo {repo!r} cannot record the epoch a leader leads at "
+                "(record_epoch, highest_epoch: the EpochRecordingRepository protocol), so "
+                "a paused old leader could still write to entities the new leader has not "
+                "written; implement it, or run without a leader"
+            )
+
+    def lease_timing(self) -> LeaseTiming:
+        """The timing of the leader's lease: its declared TTL, renewed every ``renew_interval``."""
+        leader = self.leader
+        if not isinstance(leader, LeaderElector):
+            raise ConfigError(
+                f"leader {leader!r} is not a LeaderElector "
+                "(acquire_lease, renew_lease, release_lease)"
+            )
+        return LeaseTiming.of(_declared_ttl(leader), self.renew_interval)
 
 
-def seconds(option: str, value: object) -> float:
-    """Convert a duration option (seconds or timedelta) to float seconds, or raise."""
-    if isinstance(value, datetime.timedelta):
-        result = value.total_seconds()
-    elif isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{option} must be a number of seconds or a timedelta, got {value!r}")
-    else:
-        result = float(value)
-    if math.isnan(result) or math.isinf(result):
-        raise ConfigError(f"{option} must be a finite duration, got {value!r}")
-    return result
+def default_reconciler_id(name: str) -> str:
+    """A lease-name-safe id derived from a reconciler's name (``reconcile_x`` → ``reconcile-x``)."""
+    return re.sub(r"[^a-z0-9.-]+", "-", name.lower()).strip("-.") or "reconciler"
 
 
-def positive_seconds(option: str, value: object) -> float:
-    """A duration that must be strictly positive."""
-    result = seconds(option, value)
-    if result <= 0:
-        raise ConfigError(f"{option} must be > 0 seconds, got {value!r}")
-    return result
+def validate_reconciler_id(value: object) -> str:
+    if not isinstance(value, str) or len(value) > 253 or not _RFC1123_SUBDOMAIN.match(value):
+        raise ConfigError(
+            f"reconciler_id must be a valid Kubernetes object name (RFC 1123 subdomain: "
+            f"lowercase alphanumerics, '-' and '.', at most 253 characters), got {value!r}"
+        )
+    return value
+
+
+def _declared_ttl(elector: object) -> LeaseTTL:
+    """The elector's declared lease TTL, coerced to :class:`LeaseTTL`, or a ConfigError."""
+    if not isinstance(elector, ElectorWithTTL):
+        raise ConfigError(
+            f"leader {elector!r} does not declare its lease ttl (a `ttl` property: the "
+            "ElectorWithTTL protocol); without it the Loop cannot step down before the lease "
+            "expires for the other replicas"
+        )
+    ttl = elector.ttl
+    if isinstance(ttl, LeaseTTL):
+        return ttl
+    try:
+        return LeaseTTL(ttl)
+    except ConfigError as exc:
+        raise ConfigError(f"leader {elector!r} declares an invalid ttl: {exc}") from None

@@ -4,20 +4,26 @@ A :class:`Trigger` runs until cancelled and hands requests to the Loop with
 ``await emit(request)``. ``emit`` applies backpressure: it blocks while the
 loop's intake is full and never drops a request. Deduplication, delays and
 backoff live in the Loop, not in triggers. The Loop owns the trigger tasks:
-it starts them, restarts one that crashes (with backoff), and cancels them on
-stop, so a trigger cannot leak a task.
+it starts each under :func:`supervise`, which restarts one that crashes (with
+backoff), and cancels them on stop, so a trigger cannot leak a task.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
-from kopf_reconcile.api import RESYNC_ALL, Request
-from kopf_reconcile.config import ConfigError, Duration, positive_seconds
+from kopf_reconcile.api import RESYNC_ALL, ConfigError, Duration, Request, positive_seconds
 
 Emit = Callable[[Request], Awaitable[None]]
+
+# Supervision reports as part of the Loop that owns the trigger.
+logger = logging.getLogger("kopf_reconcile.loop")
+
+TRIGGER_RESTART_MIN = 0.1  # the first restart of a crashed trigger waits this long
+TRIGGER_RESTART_MAX = 30.0  # ... doubling up to this; a run that lasted longer resets it
 
 
 @runtime_checkable
@@ -73,3 +79,33 @@ class ChannelTrigger:
 
     def __repr__(self) -> str:
         return f"ChannelTrigger({self.source!r})"
+
+
+async def supervise(trigger: Trigger, emit: Emit, *, controller: str) -> None:
+    """Run ``trigger`` until it is exhausted or cancelled; restart it after a crash.
+
+    Restarts back off from :data:`TRIGGER_RESTART_MIN` doubling to
+    :data:`TRIGGER_RESTART_MAX`; a run that lasted longer than that starts the
+    backoff over. ``controller`` names the owning Loop in the logs.
+    """
+    clock = asyncio.get_running_loop().time
+    delay = TRIGGER_RESTART_MIN
+    while True:
+        started = clock()
+        try:
+            await trigger.run(emit)
+        except Exception:
+            logger.exception(
+                "trigger %r of %s crashed; restarting in %.1fs",
+                trigger,
+                controller,
+                delay,
+                extra={"controller": controller},
+            )
+        else:
+            logger.info("trigger %r of %s is exhausted", trigger, controller)
+            return
+        if clock() - started > TRIGGER_RESTART_MAX:
+            delay = TRIGGER_RESTART_MIN
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, TRIGGER_RESTART_MAX)

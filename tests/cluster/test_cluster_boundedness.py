@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from kopf_reconcile.testing.cluster import EmbeddedCluster
+from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 HISTORY = 2_000

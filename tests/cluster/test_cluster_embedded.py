@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kopf_reconcile.testing.cluster import EmbeddedCluster
+from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from support import eventually
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"

@@ -1,4 +1,4 @@
-"""The process form: ``python -m kopf_reconcile.testing.cluster``, its admin API, SIGTERM."""
+"""The process form: ``python -m kopf_reconcile.testing.emulated_apiserver``, admin API, SIGTERM."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ async def test_runs_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "kopf_reconcile.testing.cluster",
+        "kopf_reconcile.testing.emulated_apiserver",
         "--port",
         "0",
         "--kubeconfig",

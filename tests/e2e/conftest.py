@@ -23,10 +23,14 @@ from support import eventually
 
 @pytest_asyncio.fixture
 async def cluster_url() -> AsyncIterator[str]:
-    """An embedded cluster as a process of its own (``python -m kopf_reconcile.testing.cluster``),
-    for tests that run kopf in this process."""
+    """An embedded cluster as a process of its own
+    (``python -m kopf_reconcile.testing.emulated_apiserver``), for tests that run kopf in this
+    process."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kopf_reconcile.testing.cluster", stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "kopf_reconcile.testing.emulated_apiserver",
+        stdout=asyncio.subprocess.PIPE,
     )
     try:
         assert process.stdout is not None

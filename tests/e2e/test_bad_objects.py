@@ -27,9 +27,9 @@ import pytest
 import pytest_asyncio
 
 import kopf_reconcile as kr
-from kopf_reconcile import kopf_shim
-from kopf_reconcile import settings as process_settings
-from kopf_reconcile.settings import Settings
+from kopf_reconcile.integration import kopf_shim
+from kopf_reconcile.integration import settings as process_settings
+from kopf_reconcile.integration.settings import Settings
 from support import eventually
 
 GROUP = "badinput.example.com"

@@ -17,9 +17,9 @@ import kopf
 import pytest_asyncio
 
 import kopf_reconcile as kr
-from kopf_reconcile import kopf_shim
-from kopf_reconcile import settings as process_settings
-from kopf_reconcile.settings import Settings
+from kopf_reconcile.integration import kopf_shim
+from kopf_reconcile.integration import settings as process_settings
+from kopf_reconcile.integration.settings import Settings
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import eventually
 

@@ -23,13 +23,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import kopf_reconcile as kr
-from kopf_reconcile._cogs.pg import check_database
+from kopf_reconcile.database import check_database
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.loop import Loop
-from kopf_reconcile.testing.apiserver import RealCluster
 from kopf_reconcile.testing.memory import MemoryFencedRepository
+from kopf_reconcile.testing.real_apiserver import RealCluster
 from support import eventually
 
 RID = "devices"

@@ -52,8 +52,8 @@ from chart_support import (
     unpack_image,
 )
 
-from kopf_reconcile.testing.apiserver import dying_with_parent
 from kopf_reconcile.testing.chart_check import judge
+from kopf_reconcile.testing.real_apiserver import dying_with_parent
 from support import eventually
 
 pytestmark = pytest.mark.skipif(
@@ -747,7 +747,7 @@ async def test_readyz_is_not_ready_while_a_watch_is_forbidden(
 
 
 async def free_port() -> int:
-    from kopf_reconcile.testing.apiserver import free_loopback_port
+    from kopf_reconcile.testing.real_apiserver import free_loopback_port
 
     return free_loopback_port()
 

@@ -33,7 +33,7 @@ from kopf_reconcile.leader.kubernetes import (
 )
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.loop import Loop
-from kopf_reconcile.testing.cluster import EmbeddedCluster
+from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from kopf_reconcile.testing.memory import MemoryFencedRepository
 from support import eventually, fenced_loop
 
@@ -616,3 +616,21 @@ async def test_a_recreated_lease_never_reuses_an_epoch_held_before_any_write(
                 await eventually(lambda: b.stats().is_leader)
                 assert b.stats().epoch > held  # never the epoch A still holds
                 await eventually(lambda: not a.stats().is_leader)  # and A learns it lost
+
+
+async def test_the_elector_lists_the_leases_of_its_namespace(
+    kube_namespace: str, elector: ElectorFactory
+) -> None:
+    a = elector(ttl=15)
+    token = await a.acquire_lease(RID)
+    (record,) = await a.list_leases()
+    assert (record.namespace, record.reconciler_id, record.holder_id, record.epoch) == (
+        kube_namespace,
+        RID,
+        a.holder_id,
+        token.epoch,
+    )
+    assert record.renewed_at is not None and record.expires_at is not None
+    assert record.expires_at - record.renewed_at == datetime.timedelta(seconds=15)
+    everywhere = await a.list_leases(all_namespaces=True)
+    assert record in everywhere

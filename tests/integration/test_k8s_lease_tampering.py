@@ -21,7 +21,7 @@ import pytest
 import kopf_reconcile as kr
 from kopf_reconcile.leader import kubernetes as k8s
 from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
-from kopf_reconcile.testing.cluster import EmbeddedCluster
+from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from kopf_reconcile.testing.memory import MemoryFencedRepository
 from support import eventually
 

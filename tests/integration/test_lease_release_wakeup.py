@@ -24,7 +24,7 @@ import kopf_reconcile as kr
 from conftest import LeaseBackend
 from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
-from kopf_reconcile.testing.cluster import EmbeddedCluster
+from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from support import eventually
 
 RID = "devices"

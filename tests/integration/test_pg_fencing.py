@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from kopf_reconcile.config import ConfigError
+from kopf_reconcile.api import ConfigError
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.tenancy import MalformedEntityId, Tenancy

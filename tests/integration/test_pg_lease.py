@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from kopf_reconcile.config import ConfigError
+from kopf_reconcile.api import ConfigError
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.leader.protocol import (
     LeaderElector,
@@ -351,3 +351,23 @@ async def test_processes_take_over_from_a_paused_and_from_a_killed_holder(dsn: s
         for contender in (first, second):
             if contender is not None:
                 await contender.kill()
+
+
+async def test_the_elector_lists_its_leases_and_creates_no_table_to_do_so(
+    elector: ElectorFactory,
+) -> None:
+    reader = await elector()
+    assert await reader.list_leases() == []  # no table yet: nothing, and none made
+    holder = await elector()
+    token = await holder.acquire_lease(RECONCILER)
+    (record,) = await reader.list_leases()
+    assert (record.namespace, record.reconciler_id, record.holder_id, record.epoch) == (
+        None,
+        RECONCILER,
+        holder.holder_id,
+        token.epoch,
+    )
+    assert record.acquired_at is not None and record.expires_at is not None
+    await holder.release_lease(token)
+    (released,) = await reader.list_leases()
+    assert released.holder_id == "" and released.epoch == token.epoch

@@ -7,8 +7,8 @@ import asyncio
 import asyncpg
 import pytest
 
-from kopf_reconcile._cogs.pg import redact_dsn
-from kopf_reconcile.config import ConfigError
+from kopf_reconcile.api import ConfigError
+from kopf_reconcile.database import redact_dsn
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from kubernetes_asyncio import client
 
-from kopf_reconcile.testing.apiserver import KUBE_VERSION, RealCluster, RealClusterError
+from kopf_reconcile.testing.real_apiserver import KUBE_VERSION, RealCluster, RealClusterError
 
 KUBECTL = Path(sys.executable).with_name("kubectl")
 

@@ -7,8 +7,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kopf_reconcile.endpoints import Endpoints
-from kopf_reconcile.watch_probe import CRDS, NAMESPACES, WatchProbe, WatchTarget, targets
+from kopf_reconcile.integration.endpoints import Endpoints
+from kopf_reconcile.integration.watch_probe import (
+    CRDS,
+    NAMESPACES,
+    WatchProbe,
+    WatchTarget,
+    targets,
+)
 
 DEVICES = ("example.com", "v1", "devices")
 

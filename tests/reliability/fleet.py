@@ -4,7 +4,7 @@
 reports, and signals, pauses or kills exactly that process (by its PID).
 :func:`lease_store` starts what the replicas of one elector kind contend on: the
 embedded Kubernetes API as a process of its own (``python -m
-kopf_reconcile.testing.cluster``), or an embedded PostgreSQL server; it yields the
+kopf_reconcile.testing.emulated_apiserver``), or an embedded PostgreSQL server; it yields the
 replica arguments that point at it. Every process started here dies with its
 parent (``dying_with_parent``), and callers stop them in ``finally``.
 """
@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import IO, Any
 
-from kopf_reconcile.testing.apiserver import dying_with_parent
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
+from kopf_reconcile.testing.real_apiserver import dying_with_parent
 
 REPLICA = Path(__file__).with_name("replica.py")
 ELECTORS = ("kubernetes", "postgres")
@@ -181,7 +181,7 @@ async def lease_store(elector: str) -> AsyncIterator[list[str]]:
                 [
                     sys.executable,
                     "-m",
-                    "kopf_reconcile.testing.cluster",
+                    "kopf_reconcile.testing.emulated_apiserver",
                     "--kubeconfig",
                     str(kubeconfig),
                 ]

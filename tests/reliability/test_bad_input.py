@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 import kopf_reconcile as kr
+from kopf_reconcile.integration.settings import Settings
 from kopf_reconcile.loop import Loop
-from kopf_reconcile.settings import Settings
 from kopf_reconcile.testing.memory import (
     MemoryFencedRepository,
     MemoryLeaseElector,

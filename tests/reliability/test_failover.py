@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from fleet import ELECTORS, Event, Replica, first_event, lease_store, replicas
 
-from kopf_reconcile.leader.holding import ACQUIRE_RETRY_JITTER
+from kopf_reconcile.control.holding import ACQUIRE_RETRY_JITTER
 
 pytestmark = pytest.mark.slow
 

@@ -29,8 +29,8 @@ import pytest
 import pytest_asyncio
 from fleet import ELECTORS, Event, first_event, lease_store, replicas
 
+from kopf_reconcile.control.holding import ACQUIRE_RETRY_JITTER
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
-from kopf_reconcile.leader.holding import ACQUIRE_RETRY_JITTER
 from kopf_reconcile.testing import audit
 from support import eventually
 

@@ -13,10 +13,10 @@ import kopf
 import pytest
 
 import kopf_reconcile as kr
-from kopf_reconcile import kopf_shim
-from kopf_reconcile import settings as process_settings
 from kopf_reconcile.cache import ObjectCache
-from kopf_reconcile.settings import Settings
+from kopf_reconcile.integration import kopf_shim
+from kopf_reconcile.integration import settings as process_settings
+from kopf_reconcile.integration.settings import Settings
 from kopf_reconcile.triggers import Emit
 from support import eventually
 

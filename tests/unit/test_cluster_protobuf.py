@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kopf_reconcile.testing.cluster import protobuf
-from kopf_reconcile.testing.cluster.errors import ApiError
+from kopf_reconcile.testing.emulated_apiserver import protobuf
+from kopf_reconcile.testing.emulated_apiserver.errors import ApiError
 
 # kubectl 1.35's body of `kubectl create configmap c1 --from-literal=a=b`, as sent.
 KUBECTL_CONFIGMAP = bytes.fromhex(

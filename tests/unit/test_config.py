@@ -60,7 +60,7 @@ def elector(ttl: float = 15) -> MemoryLeaseElector:
     return MemoryLeaseElector(MemoryLeaseStore(), ttl=kr.LeaseTTL(ttl))
 
 
-START_ERRORS: list[tuple[str, Callable[[], kr.Builder], str]] = [
+VALUE_ERRORS: list[tuple[str, Callable[[], kr.Builder], str]] = [
     ("concurrency 0", lambda: base().with_concurrency(0), "concurrency"),
     ("concurrency float", lambda: base().with_concurrency(1.5), "concurrency"),  # type: ignore[arg-type]
     ("interval 0", lambda: base().with_interval(0), "interval"),
@@ -86,11 +86,13 @@ START_ERRORS: list[tuple[str, Callable[[], kr.Builder], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("case", "make", "option"), START_ERRORS, ids=[c[0] for c in START_ERRORS])
-async def test_start_time_errors(case: str, make: Callable[[], kr.Builder], option: str) -> None:
-    loop = make().build()
+@pytest.mark.parametrize(("case", "make", "option"), VALUE_ERRORS, ids=[c[0] for c in VALUE_ERRORS])
+def test_value_errors_fail_the_build(
+    case: str, make: Callable[[], kr.Builder], option: str
+) -> None:
+    """LoopConfig.validate() runs in build(): no Loop exists with a bad value."""
     with pytest.raises(kr.ConfigError, match=option):
-        await loop.start()
+        make().build()
 
 
 @pytest.mark.parametrize(

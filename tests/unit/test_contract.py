@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import kopf_reconcile as kr
 
@@ -125,34 +123,3 @@ def test_adapters_are_exported_lazily() -> None:
         "assert callable(kr.reconciler)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-PACKAGE = Path(kr.__file__).parent
-IMPORTS = re.compile(r"^\s*(?:from|import)\s+([\w.]+)", re.MULTILINE)
-
-
-def imports_of(path: Path) -> set[str]:
-    return set(IMPORTS.findall(path.read_text()))
-
-
-def test_only_the_kopf_shim_and_the_cli_import_kopf() -> None:
-    importers = {
-        str(p.relative_to(PACKAGE))
-        for p in PACKAGE.rglob("*.py")
-        if any(m == "kopf" or m.startswith("kopf.") for m in imports_of(p))
-    }
-    assert importers == {"kopf_shim.py", "cli.py"}
-
-
-def test_the_kernel_depends_on_protocols_not_on_adapters() -> None:
-    kernel = ["api", "builder", "loop", "workqueue", "triggers", "metrics", "tenancy",
-              "backoff", "config", "fencing/writer", "fencing/protocol",
-              "leader/protocol"]  # fmt: skip
-    adapters = ("kopf_reconcile.leader.kubernetes", "kopf_reconcile.leader.postgres",
-                "kopf_reconcile.fencing.postgres", "kopf_reconcile.kopf_shim",
-                "kopf_reconcile.testing", "kubernetes_asyncio", "asyncpg", "kopf")  # fmt: skip
-    for module in kernel:
-        imported = imports_of(PACKAGE / f"{module}.py")
-        assert not {m for m in imported for a in adapters if m == a or m.startswith(f"{a}.")}, (
-            module
-        )

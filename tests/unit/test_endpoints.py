@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter
 
-from kopf_reconcile.endpoints import Endpoints
+from kopf_reconcile.integration.endpoints import Endpoints
 
 
 async def test_endpoints() -> None:

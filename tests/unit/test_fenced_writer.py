@@ -130,7 +130,7 @@ async def test_stale_epoch_is_fenced_steps_down_and_converges_without_backoff() 
     async with loop:
         await loop.enqueue(kr.Request("dev-1"))
         await eventually(lambda: "accepted" in {o for _, o in outcomes}, timeout=10)
-        assert loop._queue.failures_of("dev-1") == 0  # no backoff growth
+        assert loop._queue.work_queue.failures_of("dev-1") == 0  # no backoff growth
     stale_epochs = [e for e, o in outcomes if o == "stale"]
     accepted = [e for e, o in outcomes if o == "accepted"]
     assert stale_epochs == [1, 2] and accepted == [3]  # each fence made it step down

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kopf_reconcile import ConfigError, logs
-from kopf_reconcile._cogs.pg import redact_dsn
-from kopf_reconcile.settings import Settings
+from kopf_reconcile import ConfigError
+from kopf_reconcile.database import redact_dsn
+from kopf_reconcile.integration import logs
+from kopf_reconcile.integration.settings import Settings
 
 PASSWORD = "s3cr@t-Pw"
 TOKEN = "eyJhbGciOiJSUzI1NiJ9.payload.signature"

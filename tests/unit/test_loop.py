@@ -90,9 +90,9 @@ async def test_default_requeue_is_jittered_around_the_interval() -> None:
     async with loop:
         for i in range(200):
             await loop.enqueue(kr.Request(f"e{i}"))
-        await eventually(lambda: loop._queue.delayed_count == 200)
+        await eventually(lambda: loop._queue.work_queue.delayed_count == 200)
         now = asyncio.get_running_loop().time()
-        offsets = [(loop._queue.due_of(f"e{i}") or 0) - now for i in range(200)]
+        offsets = [(loop._queue.work_queue.due_of(f"e{i}") or 0) - now for i in range(200)]
     assert all(89 <= o <= 110.1 for o in offsets), offsets
     assert max(offsets) - min(offsets) > 5  # spread, not a thundering herd
 
@@ -106,7 +106,9 @@ async def test_without_default_requeue_nothing_stays_behind() -> None:
     async with loop.build() as running:
         await running.enqueue(kr.Request("a"))
         await eventually(lambda: running.stats().in_flight == 0 and running.stats().queued == 0)
-        assert running._queue.footprint() == dict.fromkeys(running._queue.footprint(), 0)
+        assert running._queue.work_queue.footprint() == dict.fromkeys(
+            running._queue.work_queue.footprint(), 0
+        )
 
 
 async def test_permanent_error_dead_letters_until_a_fresh_trigger() -> None:
@@ -247,7 +249,7 @@ async def test_a_swallowed_cancellation_still_ends_the_reconcile() -> None:
     await loop.stop(timeout=0.05)
     value = registry.reconcile_total.labels("swallower", "canceled")._value.get()
     assert value == 1
-    assert loop._queue.failures_of("a") == 0
+    assert loop._queue.work_queue.failures_of("a") == 0
 
 
 async def test_crashing_trigger_is_restarted(caplog: pytest.LogCaptureFixture) -> None:
@@ -380,7 +382,7 @@ async def test_hundred_thousand_entities_leave_no_state_after_failure_then_succe
             for i in range(n):
                 await loop.enqueue(kr.Request(f"e{i}"))
             await eventually(lambda: succeeded == n, timeout=60)
-            footprint = loop._queue.footprint()
+            footprint = loop._queue.work_queue.footprint()
     finally:
         logging.getLogger("kopf_reconcile.loop").disabled = False
     assert footprint == dict.fromkeys(footprint, 0), footprint

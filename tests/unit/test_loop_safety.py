@@ -230,10 +230,9 @@ async def noop(req: kr.Request) -> None:
     return None
 
 
-async def test_an_elector_without_a_declared_ttl_is_refused() -> None:
-    loop = leader_loop(noop, TTLessElector(MemoryLeaseStore()))
+def test_an_elector_without_a_declared_ttl_is_refused() -> None:
     with pytest.raises(kr.ConfigError, match="does not declare its lease ttl"):
-        await loop.start()
+        leader_loop(noop, TTLessElector(MemoryLeaseStore()))
 
 
 @pytest.mark.parametrize("ttl", [0.6, datetime.timedelta(seconds=0.6)], ids=["float", "timedelta"])
@@ -251,11 +250,11 @@ async def test_a_plain_ttl_is_coerced_and_hung_renewals_step_down_before_it(
         assert elector.margins[0] > 0, elector.margins
 
 
-async def test_an_invalid_declared_ttl_is_a_config_error() -> None:
+def test_an_invalid_declared_ttl_is_a_config_error() -> None:
     elector = PlainTTLElector(MemoryLeaseStore(), 1)
     elector.ttl = "soon"  # type: ignore[assignment]
     with pytest.raises(kr.ConfigError, match="invalid ttl"):
-        await leader_loop(noop, elector).start()
+        leader_loop(noop, elector)
 
 
 class PerEntityOnlyRepository:
@@ -265,11 +264,10 @@ class PerEntityOnlyRepository:
         return True
 
 
-async def test_a_repository_that_cannot_record_epochs_is_refused_with_a_leader() -> None:
+def test_a_repository_that_cannot_record_epochs_is_refused_with_a_leader() -> None:
     elector = MemoryLeaseElector(MemoryLeaseStore(), kr.LeaseTTL(3))
-    loop = leader_loop(noop, elector, repo=PerEntityOnlyRepository())
     with pytest.raises(kr.ConfigError, match="cannot record the epoch"):
-        await loop.start()
+        leader_loop(noop, elector, repo=PerEntityOnlyRepository())
 
 
 def test_the_loop_discovers_no_capability_by_getattr() -> None:

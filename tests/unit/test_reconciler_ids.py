@@ -11,8 +11,8 @@ import kopf
 import pytest
 
 import kopf_reconcile as kr
-from kopf_reconcile import kopf_shim
-from kopf_reconcile.settings import Settings
+from kopf_reconcile.integration import kopf_shim
+from kopf_reconcile.integration.settings import Settings
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 
 LEASE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")

@@ -13,7 +13,7 @@ from kopf._cogs.clients import watching
 from kopf._cogs.structs import references
 
 import kopf_reconcile as kr
-from kopf_reconcile.relisting import ListingTracker
+from kopf_reconcile.integration.relisting import ListingTracker
 
 
 def obj(uid: str, name: str = "", version: str = "1") -> dict[str, Any]:

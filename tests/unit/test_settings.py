@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kopf_reconcile import ConfigError
-from kopf_reconcile.settings import ENVIRONMENT, LeaderKind, LogFormat, Settings
+from kopf_reconcile.integration.settings import ENVIRONMENT, LeaderKind, LogFormat, Settings
 
 DSN = "postgresql://app:s3cret-pw@db.example:5432/app"
 

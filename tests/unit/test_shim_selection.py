@@ -11,9 +11,9 @@ import kopf
 import pytest_asyncio
 
 import kopf_reconcile as kr
-from kopf_reconcile import kopf_shim
 from kopf_reconcile.api import Request
 from kopf_reconcile.cache import ObjectCache
+from kopf_reconcile.integration import kopf_shim
 
 
 def configmap(uid: str, created: str, team: str) -> dict[str, Any]:

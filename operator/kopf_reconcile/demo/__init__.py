@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from kopf_reconcile._cogs.tables import format_table
-from kopf_reconcile.config import ConfigError
+from kopf_reconcile.api import ConfigError
 from kopf_reconcile.demo.stack import DemoError
 from kopf_reconcile.demo.story import Demo, Options, Summary
 from kopf_reconcile.demo.view import View
+from kopf_reconcile.integration.tables import format_table
 
 __all__ = ["Options", "run"]
 

@@ -105,7 +105,7 @@ class Stack:
 
     async def start_cluster(self) -> str:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kopf_reconcile.testing.cluster",
+            sys.executable, "-m", "kopf_reconcile.testing.emulated_apiserver",
             "--port", "0", "--kubeconfig", str(self.kubeconfig),
             stdout=asyncio.subprocess.PIPE,
             stderr=(self.workdir / "cluster.log").open("wb"),

@@ -39,11 +39,12 @@ import asyncpg
 import yaml
 from kubernetes_asyncio import client, config
 
-from kopf_reconcile.config import ConfigError
+from kopf_reconcile.api import ConfigError
 from kopf_reconcile.demo.stack import DemoError, Replica, Stack
 from kopf_reconcile.demo.view import View
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.testing import audit
+from kopf_reconcile.testing.examples import find_crd, find_handlers
 
 GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
 NAMESPACE = "default"
@@ -90,29 +91,6 @@ class Summary:
             and len(self.failovers) == 2
             and self.direct_write_rejected
         )
-
-
-def find_handlers(explicit: Path | None) -> Path:
-    if explicit is not None:
-        if not explicit.is_file():
-            raise ConfigError(f"--handlers: no such file {str(explicit)!r}")
-        return explicit
-    for base in (Path.cwd(), *Path(__file__).resolve().parents):
-        candidate = base / "operator" / "examples" / "devices.py"
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(
-        "--handlers: operator/examples/devices.py not found; run from the project's checkout "
-        "or pass --handlers PATH"
-    )
-
-
-def find_crd(handlers: Path) -> Path:
-    for base in (Path.cwd(), *handlers.resolve().parents):
-        candidate = base / "crds" / "devices.yaml"
-        if candidate.is_file():
-            return candidate
-    raise ConfigError("crds/devices.yaml not found next to the handlers' checkout")
 
 
 class Demo:

@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from kopf_reconcile._cogs.tables import format_table
 from kopf_reconcile.demo.stack import Replica
+from kopf_reconcile.integration.tables import format_table
 
 PLAIN_INTERVAL = 2.0
 REPLICA_HEADER = ("replica", "pid", "state", "role", "epoch", "reconciled", "accepted", "stale")

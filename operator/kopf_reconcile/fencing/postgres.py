@@ -1,5 +1,8 @@
 """Monotonic-epoch fenced writes to PostgreSQL, fenced per entity and per scope.
 
+(Over 400 lines on purpose: the fenced write, the recording of epochs and their SQL are
+one atomic protocol.)
+
 :class:`PostgresFencedRepository` keeps two tables:
 
 * ``<table>``: one fence row per entity, keyed by ``(scope, entity_id)``,
@@ -81,9 +84,9 @@ from typing import Any
 
 import asyncpg
 
-from kopf_reconcile._cogs.closing import AsyncClosing
-from kopf_reconcile._cogs.pg import Database, qualified_table
-from kopf_reconcile.config import ConfigError, Duration, positive_seconds
+from kopf_reconcile.api import ConfigError, Duration, positive_seconds
+from kopf_reconcile.closing import AsyncClosing
+from kopf_reconcile.database import Database, qualified_table
 from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.tenancy import Tenancy
 

@@ -1,5 +1,9 @@
 """Leader election on a Kubernetes ``coordination.k8s.io/v1`` Lease.
 
+(Over 400 lines on purpose: acquisition, renewal, release, the release watch and the
+epoch floor all read and write one Lease under one set of invariants (resourceVersion,
+transitions, holder).)
+
 :class:`KubernetesLeaseElector` keeps one Lease per reconciler id, named after
 it, in one namespace, labelled ``app.kubernetes.io/managed-by=kopf-reconcile``
 and with the reconciler id, so ``kubectl get leases`` shows who leads what.
@@ -26,9 +30,10 @@ It follows client-go's ``LeaseLock`` model:
 
 Expiry is judged on this process's clock only: like client-go's
 ``observedTime``, the elector remembers each lease record (holder,
-``renewTime``, ``resourceVersion``) and the local monotonic time at which it
-first saw it; the lease is expired *for this process* once
-``leaseDurationSeconds`` have passed since then without a change. The
+``renewTime``, ``resourceVersion``) and the time at which it first saw it, on
+the event loop's monotonic clock (the one the LeaseHolder and the Loop read);
+the lease is expired *for this process* once ``leaseDurationSeconds`` have
+passed since then without a change. The
 timestamps in the Lease come from other machines' clocks and are never
 compared with ours (a holder whose clock runs years ahead cannot block a
 takeover, one whose clock runs behind cannot be robbed early). A process
@@ -93,7 +98,6 @@ import hashlib
 import json
 import logging
 import os
-import time
 from typing import Any
 
 import aiohttp
@@ -103,18 +107,20 @@ from kubernetes_asyncio.config import load_incluster_config, load_kube_config
 from kubernetes_asyncio.config.config_exception import ConfigException
 from kubernetes_asyncio.config.kube_config import list_kube_config_contexts
 
-from kopf_reconcile._cogs.closing import AsyncClosing
-from kopf_reconcile._cogs.errors import describe_error, is_permanent
-from kopf_reconcile._cogs.identity import unique_holder_id
-from kopf_reconcile.config import ConfigError, Duration
-from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
+from kopf_reconcile.api import ConfigError, Duration
+from kopf_reconcile.closing import AsyncClosing
+from kopf_reconcile.control.epochs import EpochFloor, EpochMemory
+from kopf_reconcile.leader.identity import unique_holder_id
 from kopf_reconcile.leader.protocol import (
     LeaseContended,
     LeaseEpochExhausted,
     LeaseLost,
+    LeaseRecord,
     LeaseToken,
     LeaseTTL,
 )
+from kopf_reconcile.leader.timing import DEFAULT_LEASE_TTL, MAX_LEASE_TTL
+from kopf_reconcile.remote_errors import describe_error, is_permanent
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
@@ -130,7 +136,6 @@ __all__ = [
 
 logger = logging.getLogger("kopf_reconcile.leader")
 
-DEFAULT_LEASE_TTL = LeaseTTL(15)  # client-go's LeaseDuration default
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "kopf-reconcile"
 RECONCILER_LABEL = "kopf-reconcile/reconciler-id"
@@ -141,6 +146,7 @@ Lease = dict[str, Any]
 
 _COLLECTION = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 _ITEM = _COLLECTION + "/{name}"
+_ALL_NAMESPACES = "/apis/coordination.k8s.io/v1/leases"
 _MAX_INT32 = 2**31 - 1
 #: The highest epoch a Lease can carry: ``spec.leaseTransitions`` is an int32.
 MAX_EPOCH = _MAX_INT32
@@ -171,10 +177,10 @@ def format_micro_time(moment: datetime.datetime) -> str:
 def lease_duration_seconds(ttl: LeaseTTL) -> int:
     """The TTL as ``spec.leaseDurationSeconds``; what whole seconds cannot carry is refused."""
     whole = int(ttl.seconds)
-    if whole != ttl.seconds or not 1 <= whole <= _MAX_INT32:
+    if whole != ttl.seconds or not 1 <= whole <= MAX_LEASE_TTL:
         raise ConfigError(
             f"ttl of a Kubernetes Lease must be a whole number of seconds from 1 to "
-            f"{_MAX_INT32} (it is stored as spec.leaseDurationSeconds), got {ttl.seconds!r} s"
+            f"{MAX_LEASE_TTL} (it is stored as spec.leaseDurationSeconds), got {ttl.seconds!r} s"
         )
     return whole
 
@@ -186,11 +192,16 @@ def _wall_clock() -> datetime.datetime:
 
 @dataclasses.dataclass
 class _Observation:
-    """The last Lease record seen, and when (local monotonic clock) it was first seen."""
+    """The last Lease record seen, and when (the event loop's clock) it was first seen."""
 
     lease: Lease
     record: tuple[str, str, str]  # holderIdentity, renewTime, resourceVersion
     at: float
+
+
+def _now() -> float:
+    """The event loop's clock: the one the LeaseHolder and the Loop read (see leader.timing)."""
+    return asyncio.get_running_loop().time()
 
 
 class KubernetesLeaseElector(AsyncClosing):
@@ -238,8 +249,8 @@ class KubernetesLeaseElector(AsyncClosing):
         # The epoch this elector holds or last held per lease (set before writing it,
         # so a takeover whose answer was lost is still recognised as ours).
         self._held: dict[str, int] = {}
-        # Until then (monotonic), followers do not watch: watching failed repeatedly (see
-        # wait_for_release); one dropped connection is just watched again.
+        # Until then (the event loop's clock), followers do not watch: watching failed
+        # repeatedly (see wait_for_release); one dropped connection is just watched again.
         self._watch_backoff_until = 0.0
         self._watch_failures: dict[str, int] = {}  # failed watches in a row, per lease
 
@@ -367,11 +378,11 @@ class KubernetesLeaseElector(AsyncClosing):
         if observed is None or not observed.record[0]:
             return
         holder, version = observed.record[0], observed.record[2]
-        pause = self._watch_backoff_until - time.monotonic()
+        pause = self._watch_backoff_until - _now()
         if pause > 0:
             await asyncio.sleep(pause)
             return
-        started = time.monotonic()
+        started = _now()
         try:
             failure = await self._watch(reconciler_id, holder, version)
         except (ApiException, aiohttp.ClientError, OSError, ValueError) as exc:
@@ -384,7 +395,7 @@ class KubernetesLeaseElector(AsyncClosing):
                 raise
             return
         finally:
-            if time.monotonic() - started >= _WATCH_HEALTHY:  # it watched: the run is broken
+            if _now() - started >= _WATCH_HEALTHY:  # it watched: the run is broken
                 self._watch_failures.pop(reconciler_id, None)
         if failure is not None:
             self._stop_watching(reconciler_id, failure, started)
@@ -411,7 +422,7 @@ class KubernetesLeaseElector(AsyncClosing):
         """Watch the Lease from ``version``: ``None`` when it changed as awaited, else why not."""
         api = await self._client()
         namespace = await self._resolved_namespace()
-        started = time.monotonic()
+        started = _now()
         query = [
             *_named(reconciler_id),
             ("watch", "1"),
@@ -453,7 +464,7 @@ class KubernetesLeaseElector(AsyncClosing):
                     return None
         finally:
             response.close()
-        if time.monotonic() - started >= self._duration / 2:
+        if _now() - started >= self._duration / 2:
             return None  # the server ended it at timeoutSeconds: worth an attempt anyway
         return "the watch ended early"
 
@@ -461,14 +472,14 @@ class KubernetesLeaseElector(AsyncClosing):
         self, reconciler_id: str, why: str, started: float, *, at_once: bool = False
     ) -> bool:
         """Count a failed watch; True once followers stop watching for a lease duration."""
-        healthy = time.monotonic() - started >= _WATCH_HEALTHY
+        healthy = _now() - started >= _WATCH_HEALTHY
         failures = 1 if healthy else self._watch_failures.get(reconciler_id, 0) + 1
         self._watch_failures[reconciler_id] = failures
         if failures < _WATCH_FAILURES_TOLERATED and not at_once:
             logger.debug("watching %s ended: %s", self._where(reconciler_id), why)
             return False
         self._watch_failures.pop(reconciler_id, None)
-        self._watch_backoff_until = time.monotonic() + self._duration
+        self._watch_backoff_until = _now() + self._duration
         logger.warning(
             "watching %s for a release failed (%s); for %d s followers only retry every "
             "renew interval",
@@ -479,6 +490,31 @@ class KubernetesLeaseElector(AsyncClosing):
         return True
 
     # -- startup check ----------------------------------------------------------------
+
+    async def list_leases(self, *, all_namespaces: bool = False) -> list[LeaseRecord]:
+        """The kopf-reconcile Leases (by their managed-by label) of the namespace, or of all.
+
+        The client and the namespace are this elector's own (see the class docstring).
+        """
+        api = await self._client()
+        if all_namespaces:
+            path, where = _ALL_NAMESPACES, {}
+        else:
+            path, where = _COLLECTION, {"namespace": await self._resolved_namespace()}
+        listing = await api.call_api(
+            path,
+            "GET",
+            path_params=where,
+            query_params=[("labelSelector", f"{MANAGED_BY_LABEL}={MANAGED_BY}")],
+            header_params={"Accept": "application/json"},
+            response_types_map={200: "object"},
+            auth_settings=["BearerToken"],
+            _return_http_data_only=True,
+            _request_timeout=self._ttl.seconds,
+        )
+        items = listing.get("items") if isinstance(listing, dict) else None
+        records = [_record(lease) for lease in items or [] if isinstance(lease, dict)]
+        return sorted(records, key=lambda record: (record.namespace or "", record.reconciler_id))
 
     async def check_namespace(self, source: str = "namespace") -> None:
         """Raise :class:`ConfigError` naming ``source`` when the Lease namespace does not exist.
@@ -648,7 +684,7 @@ class KubernetesLeaseElector(AsyncClosing):
         )
         previous = self._observed.get(reconciler_id)
         if previous is None or previous.record != record:
-            self._observed[reconciler_id] = _Observation(lease, record, time.monotonic())
+            self._observed[reconciler_id] = _Observation(lease, record, _now())
         else:
             previous.lease = lease
         self._epochs.saw(reconciler_id, _transitions(lease))
@@ -721,7 +757,7 @@ class KubernetesLeaseElector(AsyncClosing):
         """Seconds until the observed record expires for this process (negative: expired)."""
         observed = self._observed[reconciler_id]
         duration = _spec(lease).get("leaseDurationSeconds") or self._duration
-        return observed.at + float(duration) - time.monotonic()
+        return observed.at + float(duration) - _now()
 
     def _holds(self, lease: Lease, token: LeaseToken) -> bool:
         spec = _spec(lease)
@@ -807,6 +843,37 @@ def _service_account_namespace() -> str | None:
             return file.read().strip() or None
     except OSError:
         return None
+
+
+def _record(lease: Lease) -> LeaseRecord:
+    """A listed Lease as the shared record type; the expiry is renewTime plus the duration."""
+    spec, metadata = _spec(lease), lease.get("metadata") or {}
+    holder = str(spec.get("holderIdentity") or "")
+    renewed = _parse_micro_time(spec.get("renewTime"))
+    duration = spec.get("leaseDurationSeconds")
+    expires = None
+    if holder and renewed is not None and isinstance(duration, int) and duration > 0:
+        expires = renewed + datetime.timedelta(seconds=duration)
+    return LeaseRecord(
+        namespace=str(metadata.get("namespace") or "") or None,
+        reconciler_id=str(metadata.get("name") or ""),
+        holder_id=holder,
+        epoch=_transitions(lease),
+        acquired_at=_parse_micro_time(spec.get("acquireTime")),
+        renewed_at=renewed,
+        expires_at=expires,
+    )
+
+
+def _parse_micro_time(value: object) -> datetime.datetime | None:
+    """A MicroTime (or RFC 3339 time) as an aware datetime; None when absent or malformed."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=datetime.UTC)
 
 
 def _names_kind(body: object, kind: str) -> bool:

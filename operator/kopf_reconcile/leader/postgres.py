@@ -1,5 +1,8 @@
 """Leader election on a PostgreSQL row: a durable lease with a monotonic epoch.
 
+(Over 400 lines on purpose: its SQL statements, the epoch floor and the release
+notifications share one table's invariants.)
+
 :class:`PostgresLeaseElector` keeps one row per reconciler id: who holds the
 lease, its epoch, when it was acquired and renewed, and when it expires.
 Every write is a single compare-and-swap statement, so two processes can
@@ -51,28 +54,28 @@ import collections
 import datetime
 import hashlib
 import logging
-import time
 
 import asyncpg
 
-from kopf_reconcile._cogs.closing import AsyncClosing
-from kopf_reconcile._cogs.identity import unique_holder_id
-from kopf_reconcile._cogs.pg import Database, is_postgres_url, qualified_table, redact_dsn
-from kopf_reconcile.config import ConfigError, Duration
-from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
+from kopf_reconcile.api import ConfigError, Duration
+from kopf_reconcile.closing import AsyncClosing
+from kopf_reconcile.control.epochs import EpochFloor, EpochMemory
+from kopf_reconcile.database import Database, is_postgres_url, qualified_table, redact_dsn
+from kopf_reconcile.leader.identity import unique_holder_id
 from kopf_reconcile.leader.protocol import (
     LeaseContended,
     LeaseEpochExhausted,
     LeaseLost,
+    LeaseRecord,
     LeaseToken,
     LeaseTTL,
 )
+from kopf_reconcile.leader.timing import DEFAULT_LEASE_TTL
 
 __all__ = ["DEFAULT_LEASE_TABLE", "DEFAULT_LEASE_TTL", "PostgresLeaseElector"]
 
 DEFAULT_LEASE_TABLE = "kopf_reconcile_lease"
 MAX_EPOCH = 2**63 - 1  # bigint
-DEFAULT_LEASE_TTL = LeaseTTL(15)  # client-go's LeaseDuration default
 _FREE = ""  # holder_id of a released lease
 # A notification's payload is at most 8000 bytes: it carries the reconciler id cut to
 # this many characters (two ids alike that far only cost each other a spurious wake-up).
@@ -82,6 +85,11 @@ _MAX_CHANNEL = 63  # NAMEDATALEN - 1
 LISTEN_CONNECT_TIMEOUT = 5.0
 
 logger = logging.getLogger("kopf_reconcile.leader")
+
+
+def _now() -> float:
+    """The event loop's clock: the one the LeaseHolder and the Loop read (see leader.timing)."""
+    return asyncio.get_running_loop().time()
 
 
 class PostgresLeaseElector(AsyncClosing):
@@ -187,6 +195,10 @@ class PostgresLeaseElector(AsyncClosing):
             )
             SELECT pg_notify($4, left(reconciler_id, {_PAYLOAD_CHARS})) FROM released
         """
+        self._list_sql = f"""
+            SELECT reconciler_id, holder_id, epoch, acquired_at, renewed_at, expires_at
+              FROM {self._table} ORDER BY reconciler_id
+        """
         self._read_sql = f"""
             SELECT holder_id, epoch, expires_at, now() AS now
               FROM {self._table} WHERE reconciler_id = $1
@@ -217,6 +229,31 @@ class PostgresLeaseElector(AsyncClosing):
     async def migrate(self) -> None:
         """Create the lease table if it does not exist (idempotent, safe across processes)."""
         await self._database.migrate()
+
+    @property
+    def table(self) -> str:
+        """The quoted, schema-qualifiable name of the lease table."""
+        return self._table
+
+    async def list_leases(self) -> list[LeaseRecord]:
+        """Every lease row, by reconciler id; none when the table does not exist yet."""
+        pool = await self._database.existing_pool()
+        try:
+            rows = await pool.fetch(self._list_sql)
+        except asyncpg.UndefinedTableError:
+            return []
+        return [
+            LeaseRecord(
+                namespace=None,
+                reconciler_id=row["reconciler_id"],
+                holder_id=row["holder_id"] or "",
+                epoch=row["epoch"],
+                acquired_at=row["acquired_at"],
+                renewed_at=row["renewed_at"],
+                expires_at=row["expires_at"],
+            )
+            for row in rows
+        ]
 
     async def acquire_lease(self, reconciler_id: str) -> LeaseToken:
         """Become the holder, or raise :class:`LeaseContended` naming the current one."""
@@ -399,7 +436,7 @@ class PostgresLeaseElector(AsyncClosing):
         return (
             self._listen_dsn is not None
             and not self._closed
-            and time.monotonic() >= self._listen_backoff_until
+            and _now() >= self._listen_backoff_until
         )
 
     async def _listen(self) -> None:
@@ -424,7 +461,7 @@ class PostgresLeaseElector(AsyncClosing):
                     connection.terminate()
                 if not isinstance(exc, Exception):
                     raise  # cancelled (one caller's deadline): let it through, nothing left open
-                self._listen_backoff_until = time.monotonic() + self._ttl.seconds
+                self._listen_backoff_until = _now() + self._ttl.seconds
                 logger.warning(
                     "cannot listen for lease releases on channel %r at %s (%r); for %.0f s "
                     "followers only retry every renew interval",

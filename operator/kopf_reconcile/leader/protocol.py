@@ -24,7 +24,7 @@ import datetime
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
-from kopf_reconcile.config import ConfigError, Duration, seconds
+from kopf_reconcile.api import ConfigError, Duration, seconds
 
 
 class LeaseError(Exception):
@@ -97,6 +97,24 @@ class LeaseTTL:
         return max(1, int(self.seconds * 1000))
 
 
+@dataclasses.dataclass(frozen=True)
+class LeaseRecord:
+    """One lease as its store shows it, for people and tools (``kopf-reconcile leases``).
+
+    ``holder_id`` is ``""`` for a released lease; ``namespace`` is ``None`` for a store
+    without namespaces (a PostgreSQL table). Times are aware datetimes, ``None`` when
+    the store does not say (``expires_at`` of a released lease).
+    """
+
+    namespace: str | None
+    reconciler_id: str
+    holder_id: str
+    epoch: int
+    acquired_at: datetime.datetime | None
+    renewed_at: datetime.datetime | None
+    expires_at: datetime.datetime | None
+
+
 @runtime_checkable
 class LeaderElector(Protocol):
     """A lease store. One lease per reconciler id; any acquire error is fail-closed."""
@@ -111,6 +129,15 @@ class LeaderElector(Protocol):
 
     async def release_lease(self, token: LeaseToken) -> None:
         """Give the lease up so a peer takes over at once. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class LeaseLister(Protocol):
+    """An elector that can show the leases of its store (the CLI's ``leases`` listing)."""
+
+    async def list_leases(self) -> list[LeaseRecord]:
+        """Every kopf-reconcile lease of the store this elector uses, sorted."""
         ...
 
 

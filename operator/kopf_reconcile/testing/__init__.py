@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kopf_reconcile.testing.cluster import EmbeddedCluster
+    from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
     from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
 __all__ = ["EmbeddedCluster", "EmbeddedPostgres"]
@@ -18,7 +18,7 @@ __all__ = ["EmbeddedCluster", "EmbeddedPostgres"]
 
 def __getattr__(name: str) -> Any:
     if name == "EmbeddedCluster":
-        from kopf_reconcile.testing.cluster import EmbeddedCluster
+        from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 
         return EmbeddedCluster
     if name == "EmbeddedPostgres":

@@ -55,7 +55,7 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
-from kopf_reconcile._cogs.pg import qualified_table
+from kopf_reconcile.database import qualified_table
 
 Writes = dict[str, list[tuple[int, Any]]]
 

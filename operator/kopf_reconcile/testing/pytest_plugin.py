@@ -21,14 +21,14 @@ import pytest
 import pytest_asyncio
 
 if TYPE_CHECKING:
-    from kopf_reconcile.testing.cluster import EmbeddedCluster
+    from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
     from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
 
 @pytest_asyncio.fixture
 async def embedded_cluster() -> AsyncIterator[EmbeddedCluster]:
     """A fresh embedded Kubernetes API on 127.0.0.1 for one test."""
-    from kopf_reconcile.testing.cluster import EmbeddedCluster
+    from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 
     async with EmbeddedCluster() as cluster:
         yield cluster

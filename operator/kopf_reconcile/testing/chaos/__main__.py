@@ -12,8 +12,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from kopf_reconcile.testing.apiserver import RealClusterError
 from kopf_reconcile.testing.chaos.harness import ELECTORS, TIERS, ChaosError, Options, run
+from kopf_reconcile.testing.real_apiserver import RealClusterError
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,9 +1,12 @@
 """The chaos run: real replicas, a real API server and a real PostgreSQL under a seeded nemesis.
 
+(Over 400 lines on purpose: one scenario runner (replicas, nemesis, history, checker)
+that reads top to bottom as the run it performs.)
+
 :class:`Chaos` starts, all on this machine and bound to 127.0.0.1:
 
 * the embedded Kubernetes API as a process of its own (``python -m
-  kopf_reconcile.testing.cluster``), with its admin API for faults; or, with
+  kopf_reconcile.testing.emulated_apiserver``), with its admin API for faults; or, with
   ``tier="real"``, kube-apiserver v1.20.2 on etcd (:class:`RealCluster`),
   where the faults the admin API injects are replaced by what can be done
   from outside: a SIGKILL and restart of kube-apiserver on the same etcd and
@@ -65,10 +68,9 @@ import aiohttp
 import asyncpg
 import yaml
 
-from kopf_reconcile.demo.story import find_crd, find_handlers
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.leader.timing import RENEW_DEADLINE_FRACTION
 from kopf_reconcile.testing import audit
-from kopf_reconcile.testing.apiserver import RealCluster, _Process, free_loopback_port
 from kopf_reconcile.testing.chaos.leadership import (
     Leadership,
     ProcessHistory,
@@ -78,7 +80,9 @@ from kopf_reconcile.testing.chaos.leadership import (
     read_events,
 )
 from kopf_reconcile.testing.chaos.proxy import PartitionProxy
+from kopf_reconcile.testing.examples import find_crd, find_handlers
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
+from kopf_reconcile.testing.real_apiserver import RealCluster, _Process, free_loopback_port
 
 GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
 NAMESPACE = "default"
@@ -92,7 +96,6 @@ STOP_GRACE = 5.0
 HTTP_TIMEOUT = 5.0
 #: A leadership that begins and ends this soon after its process resumed never led.
 PAUSE_GRACE = 1.5
-RENEW_DEADLINE_FRACTION = 2 / 3  # the Loop's: loop.RENEW_DEADLINE_FRACTION
 
 # Fault patterns the replicas hit and the harness never does (it only PATCHes specs
 # and creates Devices): lease reads and writes, status patches, Device lists and watches.
@@ -393,7 +396,7 @@ class Chaos:
         if self.options.tier == "real":
             await self._start_real_cluster()
             return
-        argv = [sys.executable, "-m", "kopf_reconcile.testing.cluster",
+        argv = [sys.executable, "-m", "kopf_reconcile.testing.emulated_apiserver",
                 "--kubeconfig", str(self.workdir / "kubeconfig")]  # fmt: skip
         self._cluster = await asyncio.create_subprocess_exec(
             *_dying_with_parent(argv),

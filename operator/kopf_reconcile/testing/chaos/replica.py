@@ -26,8 +26,8 @@ import threading
 import time
 from typing import IO, Any
 
-from kopf_reconcile import cli
-from kopf_reconcile.leader.holding import LeaseHolder
+from kopf_reconcile.control.holding import LeaseHolder
+from kopf_reconcile.integration import cli
 from kopf_reconcile.leader.protocol import LeaseToken
 
 _lock = threading.Lock()

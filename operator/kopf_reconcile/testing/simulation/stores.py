@@ -24,8 +24,8 @@ import dataclasses
 import datetime
 from collections.abc import Awaitable, Callable
 
+from kopf_reconcile.control.epochs import EpochFloor, EpochMemory
 from kopf_reconcile.fencing.protocol import StaleEpochError
-from kopf_reconcile.leader.epochs import EpochFloor, EpochMemory
 from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
 from kopf_reconcile.tenancy import Tenancy
 

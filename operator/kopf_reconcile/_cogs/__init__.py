@@ -1,1 +1,0 @@
-"""Internal building blocks shared by several adapters; not part of the public API."""

@@ -1,0 +1,100 @@
+"""The operator's HTTP endpoints: ``/metrics``, ``/healthz`` and ``/readyz`` on one port.
+
+* ``/metrics``: prometheus-client's text exposition of a registry (the
+  default one, where the kopf shim records every reconciler's instruments).
+* ``/healthz``: liveness. It answers 200 as long as the event loop runs the
+  server, with a JSON report per reconciler (running, leader, epoch, queue
+  figures) for people and tests; followers are healthy too.
+* ``/readyz``: readiness: 200 once kopf's startup has finished (every
+  reconciler's Loop runs and kopf starts its watches) and while every watch
+  is allowed and answering (:mod:`kopf_reconcile.integration.watch_probe`), else 503; 503 again
+  from the moment shutdown begins, so the pod leaves its Services while its
+  Loops drain. It is not tied to leadership: a follower is ready, as a warm
+  standby.
+
+Bind to 127.0.0.1 unless something outside the process's host must reach them: in a pod
+the kubelet's probes and Prometheus come to the pod's IP (``kopf-reconcile run`` then
+defaults to 0.0.0.0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+__all__ = ["Endpoints"]
+
+Report = Callable[[], dict[str, dict[str, object]]]
+
+
+class Endpoints:
+    """An aiohttp server for metrics, liveness and readiness; ``start()`` then ``stop()``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        ready: Callable[[], bool],
+        report: Report,
+        registry: CollectorRegistry = REGISTRY,
+        stopping: Callable[[], bool] | None = None,
+        problem: Callable[[], str | None] | None = None,
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._ready = ready
+        self._stopping = stopping
+        self._problem = problem  # a reason not to be ready although started (a failing watch)
+        self._report = report
+        self._registry = registry
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        """Listen; returns the base URL (with the actual port when 0 was asked for)."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self._host, self._port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self._registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return _json(200, {"status": "ok", "reconcilers": self._report()})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        if self._stopping is not None and self._stopping():
+            return _json(503, {"ready": False, "reason": "the operator is shutting down"})
+        if self._ready():
+            problem = self._problem() if self._problem is not None else None
+            if problem is not None:
+                return _json(503, {"ready": False, "reason": problem})
+            return _json(200, {"ready": True})
+        return _json(503, {"ready": False, "reason": "the operator is starting"})
+
+
+def _json(status: int, document: object) -> web.Response:
+    return web.Response(status=status, text=json.dumps(document), content_type="application/json")

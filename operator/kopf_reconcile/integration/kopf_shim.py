@@ -1,0 +1,643 @@
+"""The kopf shim: ``@kopf_reconcile.reconciler`` runs a reconcile Loop inside a kopf operator.
+
+(Over 400 lines on purpose: the decorator, the kopf handlers of a registration and the
+coordinated shutdown share one registry of reconcilers.)
+
+The decorator registers four handlers on kopf's registry for one reconciler:
+
+* a **startup** handler, which builds the Loop (its leader elector and fenced
+  repository come from the decorator's arguments or, by default, from the
+  process settings: see :mod:`kopf_reconcile.integration.settings`) and starts it inside
+  kopf's event loop. The Loop lives as long as the operator: kopf cancels
+  tasks it finds still running after it stops, so the cleanup handler, not
+  garbage collection, ends it;
+* a stateless **on.event** handler: for every watch event, the initial
+  listing and DELETED included, it stores the body in the reconciler's
+  :class:`~kopf_reconcile.cache.ObjectCache` and enqueues ``<namespace>/<name>``
+  (``<name>`` for cluster-scoped objects). It never writes to the object: no
+  kopf progress annotations, no finalizers, so any number of replicas can
+  watch the same objects, and the reconciler reads the body with
+  :func:`kopf_reconcile.cached`;
+* a **cleanup** handler, which stops the Loop (draining in-flight reconciles
+  and releasing the lease so a peer takes over at once) and closes what the
+  startup handler created. kopf runs cleanup handlers one after another, so
+  the first one of a registry begins the stop of every Loop in it at once:
+  the operator stops within one stop timeout, not one per reconciler;
+* a **probe** (kopf's liveness endpoint) reporting leadership, epoch and queue.
+
+Replicas. Every replica watches (a warm standby: its cache is current when it
+takes over); only the holder of the reconciler's lease dispatches. kopf's own
+peering is not leader election (no atomic acquisition, equal priorities
+freeze every replica), so the shim switches kopf to standalone mode unless
+peering was asked for explicitly (``kopf run --peering=...`` or
+``settings.peering.mandatory = True``). Several reconcilers in one operator
+each have their own Loop, cache and lease.
+
+Resyncs. A success without ``requeue_after`` leaves nothing behind in the
+Loop: per-entity state stays bounded by the live objects, and a deleted
+object, once reconciled, is forgotten. Every ``interval`` (like
+controller-runtime's SyncPeriod) and whenever a replica becomes the leader,
+the resync-all request re-enqueues every object in the cache; the reconciler
+itself never sees that request.
+
+``labels`` and ``field_selector`` select objects on the client side: an object
+that stops matching looks deleted to the reconciler (``cached`` returns None),
+as a Kubernetes watch with a selector reports it. Only selected objects can
+be gone for the reconciler: the deletion of an object it never selected is
+not its business and triggers nothing.
+
+Relists. When kopf's watch must list again (the API server no longer has the
+events to resume from, "410 Gone"), an object deleted during that gap produces
+no DELETED event. The shim wraps kopf's watch stream of each resource it
+reconciles: once a listing is complete, every object the stream knew that the
+listing no longer holds is delivered as a DELETED event (with its last body),
+as client-go's informers do (:mod:`kopf_reconcile.integration.relisting`). Every handler
+of that resource in the operator sees those events, as it sees real ones.
+
+Reconciler ids. By default a reconciler's id (its lease name and fenced
+scope) is derived from the resource and the function's name,
+``<plural>.<group>-<function>``; a function named only ``reconcile`` (or
+another name that says nothing of its purpose) needs an explicit
+``reconciler_id`` when a leader is configured (see :mod:`kopf_reconcile.integration.naming`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import functools
+import inspect
+import logging
+import re
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, TypeAlias, TypeVar
+
+import kopf
+
+from kopf_reconcile.api import (
+    RESYNC_ALL,
+    ConfigError,
+    Duration,
+    ReconcileFn,
+    Request,
+    as_reconcile_fn,
+    seconds,
+)
+from kopf_reconcile.builder import Builder
+from kopf_reconcile.cache import ObjectCache, serving
+from kopf_reconcile.config import DEFAULT_INTERVAL, LoopConfig
+from kopf_reconcile.fencing.protocol import FencedRepository
+from kopf_reconcile.integration import settings as process_settings
+from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX, install_quiet_event_handlers
+from kopf_reconcile.integration.naming import derived_reconciler_id, is_generic_name
+from kopf_reconcile.integration.relisting import ListingTracker
+from kopf_reconcile.leader.protocol import LeaderElector
+from kopf_reconcile.loop import Loop
+from kopf_reconcile.metrics import Metrics, register_metrics
+from kopf_reconcile.tenancy import Tenancy
+from kopf_reconcile.triggers import TickerTrigger
+
+__all__ = ["FROM_SETTINGS", "check_reconciler_ids", "reconciler", "status"]
+
+logger = logging.getLogger("kopf_reconcile.kopf")
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+
+class _FromSettings(enum.Enum):
+    FROM_SETTINGS = "from settings"
+
+
+FROM_SETTINGS = _FromSettings.FROM_SETTINGS
+"""Default of ``leader=`` and ``fenced=``: build them from the process settings at startup."""
+
+LeaderOption: TypeAlias = LeaderElector | Callable[[], Any] | _FromSettings | None
+FencedOption: TypeAlias = FencedRepository | Callable[[], Any] | _FromSettings | None
+
+
+@functools.cache
+def _default_metrics() -> Metrics:
+    """The instruments on prometheus-client's default registry, created once per process."""
+    return register_metrics()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Selection:
+    """Client-side object selection: exact labels and a Kubernetes field selector."""
+
+    labels: Mapping[str, str]
+    fields: tuple[tuple[tuple[str, ...], str, bool], ...]  # (path, value, equal)
+
+    _TERM = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(==|!=|=)\s*(.*?)\s*$")
+
+    @classmethod
+    def parse(cls, labels: Mapping[str, str] | None, field_selector: str | None) -> _Selection:
+        if labels is not None and (
+            not isinstance(labels, Mapping)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
+        ):
+            raise ConfigError(f"labels must be a mapping of label names to values, got {labels!r}")
+        fields: list[tuple[tuple[str, ...], str, bool]] = []
+        if field_selector is not None:
+            if not isinstance(field_selector, str):
+                raise ConfigError(f"field_selector must be a string, got {field_selector!r}")
+            for term in filter(None, (t.strip() for t in field_selector.split(","))):
+                match = cls._TERM.match(term)
+                if match is None:
+                    raise ConfigError(
+                        f"field_selector term {term!r} is not <field>=<value>, <field>==<value> "
+                        f"or <field>!=<value> (in {field_selector!r})"
+                    )
+                path, operator, value = match.groups()
+                fields.append((tuple(path.split(".")), value, operator != "!="))
+        return cls(dict(labels or {}), tuple(fields))
+
+    def matches(self, body: Mapping[str, Any]) -> bool:
+        metadata = body.get("metadata") or {}
+        present = metadata.get("labels") or {}
+        if any(present.get(k) != v for k, v in self.labels.items()):
+            return False
+        return all((_field(body, path) == value) is equal for path, value, equal in self.fields)
+
+
+def _field(body: Mapping[str, Any], path: tuple[str, ...]) -> str:
+    value: Any = body
+    for key in path:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+@dataclasses.dataclass
+class _Options:
+    """What the decorator was given, checked at decoration time."""
+
+    group: str
+    version: str
+    plural: str
+    tenancy: Tenancy
+    concurrency: int
+    interval: float
+    backoff: tuple[float, float] | None
+    renew_interval: float | None
+    leader: LeaderOption
+    fenced: FencedOption
+    metrics: Metrics | _FromSettings | None
+    name: str
+    reconciler_id: str
+    selection: _Selection
+    ambiguous: bool = False  # a default id that names only the resource (see naming)
+
+
+class _Registration:
+    """One decorated reconciler: its kopf handlers and, between startup and cleanup, its Loop."""
+
+    def __init__(self, fn: ReconcileFn, options: _Options, registry: Any) -> None:
+        self.fn = fn
+        self.options = options
+        self.registry = registry
+        self.loop: Loop | None = None
+        self.cache: ObjectCache | None = None
+        self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
+        self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
+
+    @property
+    def reconciler_id(self) -> str:
+        return self.options.reconciler_id
+
+    def register(self) -> None:
+        o = self.options
+        prefix = f"{EVENT_HANDLER_PREFIX}{o.reconciler_id}"
+        permanent = kopf.ErrorsMode.PERMANENT
+        reg = self.registry
+        kopf.on.startup(id=f"{prefix}/startup", errors=permanent, registry=reg)(self.startup)
+        kopf.on.cleanup(id=f"{prefix}/cleanup", registry=reg)(self.cleanup)
+        # A probe that raises would make kopf's liveness endpoint hang: never retry it.
+        kopf.on.probe(id=prefix, errors=permanent, registry=reg)(self.probe)
+        kopf.on.event(
+            group=o.group or None,
+            version=o.version,
+            plural=o.plural,
+            id=f"{prefix}/events",
+            registry=reg,
+        )(self.on_event)
+
+    # -- kopf handlers -----------------------------------------------------------------
+
+    async def startup(self, settings: kopf.OperatorSettings, **_: Any) -> None:
+        self._stopping = None  # a registry may run an operator again
+        config = process_settings.current()
+        _standalone_unless_peering(settings)
+        o = self.options
+        try:
+            elector = await self._resolve("leader", o.leader, config.build_elector)
+            if elector is not None:
+                self.check_unambiguous()
+            repository: FencedRepository | None = None
+            if elector is not None or o.fenced is not FROM_SETTINGS:
+                repository = await self._resolve("fenced", o.fenced, config.build_fenced_repository)
+            cache = ObjectCache()
+            builder = (
+                Builder(self.reconcile, o.tenancy)
+                .with_trigger(cache)
+                .with_trigger(TickerTrigger(o.interval))  # the periodic resync-all
+                .with_name(o.name)
+                .with_reconciler_id(o.reconciler_id)
+                .with_concurrency(o.concurrency)
+                .without_default_requeue()  # forgotten after success; resyncs come from above
+            )
+            if o.backoff is not None:
+                builder.with_backoff(*o.backoff)
+            if elector is not None:
+                builder.with_leader(elector).with_renew_interval(
+                    config.renew_interval if o.renew_interval is None else o.renew_interval
+                )
+            if repository is not None:
+                builder.with_fenced_repo(repository)
+            metrics = _default_metrics() if o.metrics is FROM_SETTINGS else o.metrics
+            if metrics is not None:
+                builder.with_metrics(metrics)
+            if config.stop_timeout is not None:
+                builder.with_stop_timeout(config.stop_timeout)
+            loop = builder.build()
+            self.cache = cache
+            await loop.start()
+            self.loop = loop
+        except BaseException:
+            self.cache = None
+            await self._close_owned()
+            raise
+        logger.info(
+            "reconciler %s watches %s: %s",
+            o.reconciler_id,
+            "/".join(filter(None, (o.group, o.version, o.plural))),
+            _describe(elector, repository),
+            extra={"controller": o.name},
+        )
+
+    async def cleanup(self, **_: Any) -> None:
+        # kopf runs cleanup handlers one after another: stopped one by one, N Loops
+        # would take N stop timeouts, past a pod's grace period. The first cleanup of
+        # a registry stops every Loop of that registry at once; each handler then
+        # waits for (and reports the failure of) its own Loop's stop.
+        for registration in _registrations:
+            if registration.registry is self.registry:
+                registration._begin_stop()
+        assert self._stopping is not None
+        await self._stopping
+
+    def _begin_stop(self) -> None:
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(
+                self._stop(), name=f"stopping reconciler {self.reconciler_id}"
+            )
+
+    async def _stop(self) -> None:
+        loop, self.loop = self.loop, None
+        if self.cache is not None:
+            # Events during and after the stop are dropped, never left waiting on a Loop
+            # that is gone (kopf would wait for the handler forever): the next leader's
+            # resync-all, or this replica's initial listing on its next start, covers them.
+            self.cache.close()
+        try:
+            if loop is not None:
+                await loop.stop()
+        finally:
+            self.cache = None
+            await self._close_owned()
+
+    async def probe(self, **_: Any) -> dict[str, object]:
+        return self.status()
+
+    async def on_event(self, event: Mapping[str, Any], **_: Any) -> None:
+        cache = self.cache
+        body = event.get("object")
+        if cache is None or not isinstance(body, Mapping):
+            return
+        metadata = body.get("metadata") or {}
+        name, namespace = metadata.get("name"), metadata.get("namespace")
+        if not name:
+            return
+        entity_id = f"{namespace}/{name}" if namespace else str(name)
+        if event.get("type") == "DELETED":
+            await cache.remove(entity_id, body)  # only what was selected is gone for the reconciler
+        elif self.options.selection.matches(body):
+            await cache.update(entity_id, body)
+        else:  # this incarnation left the selection: to the reconciler it is gone
+            await cache.forget(entity_id, body)  # (not deleted: it may match again)
+
+    # -- the reconcile the Loop calls ----------------------------------------------------
+
+    async def reconcile(self, req: Request) -> object:
+        cache = self.cache
+        if cache is None:  # stopped between dispatch and now
+            return None
+        if req.entity_id == RESYNC_ALL:
+            cache.request_resync()
+            return None
+        with serving(cache):
+            return await self.fn(req)  # the Loop checks what it returns
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def check_unambiguous(self) -> None:
+        """With a leader, refuse a default id that another operator could share unknowingly."""
+        o = self.options
+        if not o.ambiguous:
+            return
+        resource = f"{o.plural}.{o.group}" if o.group else o.plural
+        raise ConfigError(
+            f"reconciler {o.name!r} of {resource} needs reconciler_id= when a leader is "
+            f"configured: its name says only that it reconciles, so its default lease "
+            f"{o.reconciler_id!r} would be shared by any other operator reconciling {resource} "
+            f"in that namespace, and only one of them would ever reconcile. Pass "
+            f"reconciler_id='<operator>-<purpose>' (unique per lease namespace and database), "
+            f"or give the function (or name=) a name that says what it is for"
+        )
+
+    def status(self) -> dict[str, object]:
+        loop = self.loop
+        if loop is None:
+            return {"running": False}
+        stats = loop.stats()
+        return {
+            "running": True,
+            "leader": stats.is_leader,
+            "epoch": stats.epoch,
+            "queued": stats.queued,
+            "in_flight": stats.in_flight,
+            "dead_letters": stats.dead_letters,
+            "cached_objects": 0 if self.cache is None else len(self.cache),
+        }
+
+    async def _resolve(
+        self, option: str, value: object, from_settings: Callable[[], T | None]
+    ) -> Any:
+        """An elector/repository: given, built by the user's factory, or from the settings."""
+        if value is None:
+            return None
+        if value is FROM_SETTINGS:
+            built: object = from_settings()
+        elif _is_adapter(option, value):
+            return value  # the caller's object: the caller closes it
+        elif callable(value):
+            built = value()
+            if inspect.isawaitable(built):
+                built = await built
+        else:
+            raise ConfigError(
+                f"{option} must be an adapter object, a factory returning one, or None; "
+                f"got {value!r}"
+            )
+        if built is not None:
+            self._owned.append(built)
+            if not _is_adapter(option, built):
+                raise ConfigError(f"{option} factory returned {built!r}, not a {option} adapter")
+        return built
+
+    async def _close_owned(self) -> None:
+        owned, self._owned = self._owned, []
+        for adapter in owned:
+            close = getattr(adapter, "close", None)
+            if not callable(close):
+                continue
+            try:
+                result = close()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as exc:
+                logger.warning("closing %r failed: %r", adapter, exc)
+
+
+_ADAPTER_METHODS = {
+    "leader": ("acquire_lease", "renew_lease", "release_lease"),
+    "fenced": ("apply_fenced",),
+}
+
+
+def _is_adapter(option: str, value: object) -> bool:
+    return all(callable(getattr(value, m, None)) for m in _ADAPTER_METHODS[option])
+
+
+def _describe(elector: object, repository: object) -> str:
+    leadership = "single-process (always leader, epoch 0)" if elector is None else f"{elector!r}"
+    fencing = "no fenced writes" if repository is None else f"fenced writes to {repository!r}"
+    return f"leadership {leadership}, {fencing}"
+
+
+def _standalone_unless_peering(settings: kopf.OperatorSettings) -> None:
+    """kopf peering freezes equal-priority replicas; leadership is the shim's business."""
+    peering = settings.peering
+    if peering.mandatory or peering.standalone:
+        return
+    peering.standalone = True
+    logger.info(
+        "kopf peering is off (standalone): kopf-reconcile leases decide who reconciles; "
+        "pass --peering to kopf to use peering as well"
+    )
+
+
+_registrations: list[_Registration] = []
+
+
+def reconciler(
+    group: str,
+    version: str,
+    plural: str,
+    *,
+    tenancy: Tenancy,
+    concurrency: int = 1,
+    interval: Duration = DEFAULT_INTERVAL,
+    backoff: tuple[Duration, Duration] | None = None,
+    leader: LeaderOption = FROM_SETTINGS,
+    fenced: FencedOption = FROM_SETTINGS,
+    metrics: Metrics | _FromSettings | None = FROM_SETTINGS,
+    name: str | None = None,
+    reconciler_id: str | None = None,
+    renew_interval: Duration | None = None,
+    labels: Mapping[str, str] | None = None,
+    field_selector: str | None = None,
+    registry: Any = None,
+) -> Callable[[F], F]:
+    """Register the decorated reconciler for ``group/version/plural`` objects with kopf.
+
+    * ``tenancy``: required; the entity ids are ``<namespace>/<name>`` (TENANT_SCOPED
+      shape) for namespaced objects and ``<name>`` for cluster-scoped ones (which
+      therefore need SINGLE_TENANT).
+    * ``concurrency``: reconciles of distinct objects at once (default 1).
+    * ``interval``: every this long, every live object is reconciled again (default
+      10 h, controller-runtime's SyncPeriod); ``Result(requeue_after=...)`` asks for one
+      object sooner.
+    * ``backoff``: ``(base, max)`` of the per-object retry delay (default 5 ms, 1000 s).
+    * ``leader``, ``fenced``: a ``LeaderElector`` / ``FencedRepository``, a factory
+      (sync or async, called at startup inside kopf's event loop) returning one, or
+      None (single-process mode / no fencing). By default both come from the
+      settings (``KOPF_RECONCILE_LEADER``, ``KOPF_RECONCILE_DATABASE_URL``, ...).
+      What the shim builds it also closes; objects you pass stay yours.
+    * ``metrics``: instruments from ``register_metrics()``; by default those on
+      prometheus-client's default registry; None disables them.
+    * ``name``: controller name in metrics and logs (default: the function's name);
+      ``reconciler_id``: lease name and fencing scope (default:
+      ``<plural>.<group>-<name>``, see :mod:`kopf_reconcile.integration.naming`; required with a
+      leader when the name says only that it reconciles, such as ``reconcile``).
+    * ``renew_interval``: lease renewal period (default: ``KOPF_RECONCILE_RENEW_INTERVAL``).
+    * ``labels``: exact label values an object must carry; ``field_selector``: a
+      Kubernetes field selector (``metadata.name=x,status.phase!=Done``).
+    * ``registry``: a kopf ``OperatorRegistry`` (default: kopf's default registry).
+    """
+    for option, value in (("version", version), ("plural", plural)):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{option} must be a non-empty string, got {value!r}")
+    if not isinstance(group, str):
+        raise ConfigError(f"group must be a string ('' for the core API group), got {group!r}")
+    checked_backoff = None
+    if backoff is not None:
+        if not isinstance(backoff, tuple) or len(backoff) != 2:
+            raise ConfigError(f"backoff must be a (base, max) pair of durations, got {backoff!r}")
+        checked_backoff = (seconds("backoff base", backoff[0]), seconds("backoff max", backoff[1]))
+    if metrics is not FROM_SETTINGS and metrics is not None and not isinstance(metrics, Metrics):
+        raise ConfigError(f"metrics must come from register_metrics() or be None, got {metrics!r}")
+    selection = _Selection.parse(labels, field_selector)
+    install_quiet_event_handlers()
+    _install_relist_sweep()
+
+    def decorator(fn: F) -> F:
+        fn_name, reconcile_fn = as_reconcile_fn(fn)
+        controller = fn_name if name is None else name
+        if not isinstance(controller, str) or not controller:
+            raise ConfigError(f"name must be a non-empty string, got {name!r}")
+        rid = (
+            derived_reconciler_id(group, plural, controller)
+            if reconciler_id is None
+            else reconciler_id
+        )
+        # The rules Builder.build() applies at startup, applied now, at decoration.
+        draft = LoopConfig(
+            reconciler=reconcile_fn,
+            tenancy=tenancy,
+            triggers=[],
+            concurrency=concurrency,
+            interval=seconds("interval", interval),
+            name=controller,
+            reconciler_id=rid,
+        )
+        if checked_backoff is not None:
+            draft.backoff_base, draft.backoff_max = checked_backoff
+        draft.validate()
+        real_registry = kopf.get_default_registry() if registry is None else registry
+        if any(r.reconciler_id == rid and r.registry is real_registry for r in _registrations):
+            raise ConfigError(
+                f"reconciler_id {rid!r} is already registered in this operator; give each "
+                "reconciler its own reconciler_id (it names its lease and fencing scope)"
+            )
+        options = _Options(
+            group=group,
+            version=version,
+            plural=plural,
+            tenancy=tenancy,
+            concurrency=concurrency,
+            interval=draft.interval,
+            backoff=checked_backoff,
+            renew_interval=None
+            if renew_interval is None
+            else seconds("renew_interval", renew_interval),
+            leader=leader,
+            fenced=fenced,
+            metrics=metrics,
+            name=controller,
+            reconciler_id=rid,
+            selection=selection,
+            ambiguous=reconciler_id is None and is_generic_name(controller),
+        )
+        registration = _Registration(reconcile_fn, options, real_registry)
+        if leader is not None and leader is not FROM_SETTINGS:
+            registration.check_unambiguous()  # a leader is given: refuse it now
+        registration.register()
+        _registrations.append(registration)
+        return fn
+
+    return decorator
+
+
+def check_reconciler_ids(config: process_settings.Settings, registry: Any = None) -> None:
+    """Before kopf starts: refuse ambiguous default ids of reconcilers that will lead.
+
+    The startup handlers check it too; this lets ``kopf-reconcile run`` stop with a
+    configuration error before anything runs.
+    """
+    if config.leader_kind is process_settings.LeaderKind.NONE:
+        return
+    real_registry = kopf.get_default_registry() if registry is None else registry
+    for registration in _registrations:
+        if registration.registry is real_registry and registration.options.leader is FROM_SETTINGS:
+            registration.check_unambiguous()
+
+
+def _install_relist_sweep() -> None:
+    """Make kopf's watch streams of reconciled resources report what a relist no longer holds.
+
+    kopf lists a resource (events of type None), yields its ``Bookmark.LISTED`` marker,
+    then watches; after a 410 it lists again. Its watcher reads the stream from
+    ``kopf._cogs.clients.watching.infinite_watch`` at every start, so a wrapper there
+    sees every listing of every stream and can insert, before the marker, a DELETED
+    event for each object the stream knew that the listing lacks. Those go through
+    kopf's per-object queues like real events, after that object's earlier ones.
+    """
+    watching: Any = None
+    with contextlib.suppress(ImportError):
+        from kopf._cogs.clients import watching
+    original = getattr(watching, "infinite_watch", None)
+    listed_marker = getattr(getattr(watching, "Bookmark", None), "LISTED", None)
+    if original is None or listed_marker is None:  # pragma: no cover - another kopf layout
+        logger.warning(
+            "this kopf version's watch stream cannot be followed: an object deleted while "
+            "a watch lists again (410 Gone) is not reported to its reconciler"
+        )
+        return
+    if getattr(original, "_kopf_reconcile_sweeps", False):
+        return
+
+    async def infinite_watch(*, resource: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        stream = original(resource=resource, **kwargs)
+        reconciled = any(
+            r.options.group == resource.group and r.options.plural == resource.plural
+            for r in _registrations
+        )
+        async with contextlib.aclosing(stream):
+            if not reconciled:
+                async for item in stream:
+                    yield item
+                return
+            tracker = ListingTracker()
+            async for item in stream:
+                if item is listed_marker:
+                    for deleted in tracker.listed():
+                        yield deleted
+                elif isinstance(item, Mapping):
+                    tracker.observe(item)
+                yield item
+
+    infinite_watch._kopf_reconcile_sweeps = True  # type: ignore[attr-defined]
+    watching.infinite_watch = infinite_watch
+
+
+def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:
+    """(group, version, plural) of every reconciler registered on ``registry`` (readiness)."""
+    real_registry = kopf.get_default_registry() if registry is None else registry
+    return [
+        (r.options.group, r.options.version, r.options.plural)
+        for r in _registrations
+        if r.registry is real_registry
+    ]
+
+
+def status(registry: Any = None) -> dict[str, dict[str, object]]:
+    """Per reconciler id: running, leader, epoch and queue figures (for probes and /healthz)."""
+    real_registry = kopf.get_default_registry() if registry is None else registry
+    return {r.reconciler_id: r.status() for r in _registrations if r.registry is real_registry}
