@@ -33,16 +33,18 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
+
 from chart_support import (
     CHART,
     HELM,
     KUBECTL,
     ROOT,
-    Attributes,
     OperatorProcess,
     RecordingProxy,
     SocketForwarder,
     ahelm,
+    api,
+    assert_every_verb_is_needed,
     attributes,
     build_image_module,
     helm,
@@ -51,7 +53,6 @@ from chart_support import (
     service_account_kubeconfig,
     unpack_image,
 )
-
 from kopf_reconcile.testing.chart_check import judge
 from kopf_reconcile.testing.real_apiserver import dying_with_parent
 from support import eventually
@@ -147,7 +148,12 @@ def test_deployment_wires_identity_database_probes_and_stop_timeout() -> None:
     assert "KUBERNETES_SERVICE_HOST" not in env  # in-cluster discovery unless asked
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert container["args"][:2] == ["run", "/app/handlers.py"]
+    # What the pod runs is the image's entrypoint (the Dockerfile's, as `make image` sets it)
+    # followed by the chart's arguments.
+    entrypoint = re.search(r"^ENTRYPOINT (\[.*\])$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert entrypoint is not None
+    argv = [*json.loads(entrypoint[1]), *container["args"]]
+    assert argv == ["kopf-reconcile", "run", "/app/handlers.py", "--namespace=ops"]
     assert container["image"] == "kopf-reconcile:0.1.0"  # the chart's appVersion
     # The kubelet's SIGKILL comes after the stop timeout and a margin to release the lease.
     assert pod["terminationGracePeriodSeconds"] > 40
@@ -272,7 +278,7 @@ def test_inline_handlers_are_mounted_from_a_configmap() -> None:
     docs = render("handlers.inline=import kopf_reconcile")
     (config_map,) = by_kind(docs, "ConfigMap")
     assert "import kopf_reconcile" in config_map["data"]["handlers.py"]
-    assert operator_pod(docs)["containers"][0]["args"][1] == "/handlers/handlers.py"
+    assert operator_pod(docs)["containers"][0]["args"][0] == "/handlers/handlers.py"
 
 
 def test_chart_metadata_carries_artifact_hub_annotations() -> None:
@@ -425,13 +431,6 @@ async def test_image_user_has_a_passwd_entry_kopf_can_use(image_rootfs: Path) ->
 # --- installed on the real API server, the operator running as its ServiceAccount ------
 
 
-async def api(http: aiohttp.ClientSession, method: str, path: str, body: Any = None) -> Any:
-    async with http.request(method, path, json=body) as response:
-        text = await response.text()
-        assert response.status < 300, f"{method} {path}: {response.status} {text}"
-        return json.loads(text) if text else None
-
-
 class Release:
     """The chart installed into a fresh namespace of the real tier, with what it created."""
 
@@ -491,26 +490,6 @@ async def release(real_cluster: Any) -> AsyncIterator[Release]:
         yield made
     finally:
         await made.uninstall()
-
-
-def role_path(doc: dict[str, Any], namespace: str) -> str:
-    plural = "clusterroles" if doc["kind"] == "ClusterRole" else "roles"
-    where = "" if doc["kind"] == "ClusterRole" else f"/namespaces/{namespace}"
-    return f"/apis/rbac.authorization.k8s.io/v1{where}/{plural}/{doc['metadata']['name']}"
-
-
-async def denied(
-    http: aiohttp.ClientSession, user: str, wanted: set[Attributes]
-) -> set[Attributes]:
-    """Which of ``wanted`` the API server's authorizer denies ``user`` now."""
-    out = set()
-    for attrs in wanted:
-        review = await api(
-            http, "POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", attrs.review(user)
-        )
-        if not review["status"].get("allowed"):
-            out.add(attrs)
-    return out
 
 
 class Operators:
@@ -654,44 +633,12 @@ async def test_operator_uses_every_permission_of_the_chart_and_no_other(
         used = {a for a in map(attributes, proxy.records) if a is not None}
 
         # Take each verb out of each rule in turn: the server must then deny something used.
-        for doc in await release.manifest():
-            if doc["kind"] not in ("Role", "ClusterRole"):
-                continue
-            path = role_path(doc, ns)
-            original = await api(http, "GET", path)
-            for index, rule in enumerate(original["rules"]):
-                for verb in rule["verbs"]:
-                    smaller = copy.deepcopy(original)
-                    smaller["rules"][index]["verbs"].remove(verb)
-                    if not smaller["rules"][index]["verbs"]:
-                        del smaller["rules"][index]
-                    smaller = await api(http, "PUT", path, smaller)
-                    what = f"{doc['kind']} {doc['metadata']['name']}: {rule['resources']} {verb}"
-                    await eventually(
-                        lambda: _any_denied(http, release.user, used),
-                        timeout=10,
-                        message=f"something used needs {what}",
-                    )
-                    restored = {**original, "metadata": smaller["metadata"]}
-                    original = await api(http, "PUT", path, restored)
-                    await eventually(
-                        lambda: _none_denied(http, release.user, used),
-                        timeout=10,
-                        message=f"{what} restored",
-                    )
+        await assert_every_verb_is_needed(http, await release.manifest(), ns, release.user, used)
 
 
 async def _ready(process: OperatorProcess) -> bool:
     status, _ = await readyz(process)
     return status == 200
-
-
-async def _any_denied(http: aiohttp.ClientSession, user: str, used: set[Attributes]) -> bool:
-    return bool(await denied(http, user, used))
-
-
-async def _none_denied(http: aiohttp.ClientSession, user: str, used: set[Attributes]) -> bool:
-    return not await denied(http, user, used)
 
 
 @pytest.mark.real_apiserver

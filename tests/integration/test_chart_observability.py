@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from chart_support import HELM, helm
 
 pytestmark = pytest.mark.skipif(

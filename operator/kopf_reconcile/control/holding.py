@@ -147,6 +147,14 @@ class LeaseHolder:
         outlives the lease, the lease lapses instead of being released.
         """
         self._stopping = True
+        if self._leading:  # logged before the release: a successor's "leads" comes after it
+            logger.info(
+                "%s stops leading %s (epoch %d): stopping",
+                self._name,
+                self._reconciler_id,
+                self._epoch,
+                extra={"controller": self._name, "epoch": self._epoch},
+            )
         self._give_up_locally()
         if self._task is not None:
             if self._acquiring:

@@ -90,7 +90,7 @@ def scratch_parent() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
-class _Process:
+class ChildProcess:
     """A child process started by the cluster, its log, and how to stop exactly it."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
@@ -148,7 +148,7 @@ class RealCluster:
         self.startup_seconds = 0.0
         self._port = 0
         self._workdir: Path | None = None
-        self._processes: list[_Process] = []
+        self._processes: list[ChildProcess] = []
 
     # --- what tests use ------------------------------------------------------
 
@@ -281,8 +281,8 @@ class RealCluster:
             self.unprivileged_kubeconfig, UNPRIVILEGED_USER, self.unprivileged_token
         )
 
-    def _spawn(self, name: str, argv: list[str]) -> _Process:
-        process = _Process(name, argv, self._dir / f"{name}.log")
+    def _spawn(self, name: str, argv: list[str]) -> ChildProcess:
+        process = ChildProcess(name, argv, self._dir / f"{name}.log")
         self._processes.append(process)
         return process
 
@@ -312,7 +312,7 @@ class RealCluster:
         await self._poll_until(etcd, healthy)
         return client_url
 
-    async def _wait_until_ready(self, apiserver: _Process) -> None:
+    async def _wait_until_ready(self, apiserver: ChildProcess) -> None:
         """Ready, and bootstrapped: ``/readyz`` does not wait for the ``default`` namespace."""
         headers = {"Authorization": f"Bearer {self.admin_token}"}
 
@@ -328,7 +328,7 @@ class RealCluster:
 
         await self._poll_until(apiserver, ready)
 
-    async def _poll_until(self, process: _Process, check: ReadinessCheck) -> None:
+    async def _poll_until(self, process: ChildProcess, check: ReadinessCheck) -> None:
         """Poll ``check`` until it holds; fail early if the process dies, or at the deadline."""
         deadline = time.monotonic() + self.ready_timeout
         timeout = aiohttp.ClientTimeout(total=5)

@@ -82,7 +82,7 @@ from kopf_reconcile.testing.chaos.leadership import (
 from kopf_reconcile.testing.chaos.proxy import PartitionProxy
 from kopf_reconcile.testing.examples import find_crd, find_handlers
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
-from kopf_reconcile.testing.real_apiserver import RealCluster, _Process, free_loopback_port
+from kopf_reconcile.testing.real_apiserver import ChildProcess, RealCluster, free_loopback_port
 
 GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
 NAMESPACE = "default"
@@ -1126,7 +1126,7 @@ class _RestartableRealCluster(RealCluster):
         super().__init__()
         self._argv: dict[str, list[str]] = {}
 
-    def _spawn(self, name: str, argv: list[str]) -> _Process:
+    def _spawn(self, name: str, argv: list[str]) -> ChildProcess:
         self._argv[name] = argv
         return super()._spawn(name, argv)
 
@@ -1135,7 +1135,7 @@ class _RestartableRealCluster(RealCluster):
         return self._dir
 
     @property
-    def apiserver(self) -> _Process:
+    def apiserver(self) -> ChildProcess:
         return next(p for p in self._processes if p.name == "kube-apiserver")
 
     async def restart_apiserver(self) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import json
 import os
 import signal
 import ssl
@@ -28,7 +30,9 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parents[2]
+from support import eventually
+
+ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kopf-reconcile"
 BIN = Path(sys.executable).parent
 HELM, KUBECTL = BIN / "helm", BIN / "kubectl"
@@ -86,6 +90,69 @@ class Attributes:
                 },
             },
         }
+
+
+async def api(http: aiohttp.ClientSession, method: str, path: str, body: Any = None) -> Any:
+    """One API request that must succeed; its decoded answer."""
+    async with http.request(method, path, json=body) as response:
+        text = await response.text()
+        assert response.status < 300, f"{method} {path}: {response.status} {text}"
+        return json.loads(text) if text else None
+
+
+def role_path(doc: dict[str, Any], namespace: str) -> str:
+    plural = "clusterroles" if doc["kind"] == "ClusterRole" else "roles"
+    where = "" if doc["kind"] == "ClusterRole" else f"/namespaces/{namespace}"
+    return f"/apis/rbac.authorization.k8s.io/v1{where}/{plural}/{doc['metadata']['name']}"
+
+
+async def denied(
+    http: aiohttp.ClientSession, user: str, wanted: set[Attributes]
+) -> set[Attributes]:
+    """Which of ``wanted`` the API server's authorizer denies ``user`` now."""
+    out = set()
+    for attrs in wanted:
+        review = await api(
+            http, "POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", attrs.review(user)
+        )
+        if not review["status"].get("allowed"):
+            out.add(attrs)
+    return out
+
+
+async def assert_every_verb_is_needed(
+    http: aiohttp.ClientSession,
+    manifest: list[dict[str, Any]],
+    namespace: str,
+    user: str,
+    used: set[Attributes],
+) -> None:
+    """Take each verb out of each rule of the release's roles in turn: ``user`` must then be
+    denied one of the requests it made (``used``); each rule is restored before the next."""
+
+    async def any_denied() -> bool:
+        return bool(await denied(http, user, used))
+
+    async def none_denied() -> bool:
+        return not await denied(http, user, used)
+
+    for doc in manifest:
+        if doc["kind"] not in ("Role", "ClusterRole"):
+            continue
+        path = role_path(doc, namespace)
+        original = await api(http, "GET", path)
+        for index, rule in enumerate(original["rules"]):
+            for verb in rule["verbs"]:
+                smaller = copy.deepcopy(original)
+                smaller["rules"][index]["verbs"].remove(verb)
+                if not smaller["rules"][index]["verbs"]:
+                    del smaller["rules"][index]
+                smaller = await api(http, "PUT", path, smaller)
+                what = f"{doc['kind']} {doc['metadata']['name']}: {rule['resources']} {verb}"
+                await eventually(any_denied, timeout=10, message=f"something used needs {what}")
+                restored = {**original, "metadata": smaller["metadata"]}
+                original = await api(http, "PUT", path, restored)
+                await eventually(none_denied, timeout=10, message=f"{what} restored")
 
 
 def attributes(request: Recorded) -> Attributes | None:
