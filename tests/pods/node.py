@@ -4,50 +4,53 @@ The pod tier runs what users run: etcd and kube-apiserver (the real tier's
 build), kube-controller-manager, kube-scheduler and a kubelet built from the
 same Debian source (``scripts/pod_tier.py``), with Debian's containerd, runc
 and CNI plugins. Everything runs inside a network namespace the node creates;
-pods sit on a bridge that exists only there. Nothing listens outside it except
-two forwarders on the host's loopback: one to the API server (for the tests'
-kubectl, helm and clients) and none back out except the ones a test asks for
-(:meth:`PodNode.expose`, e.g. PostgreSQL for the pods).
+pods sit on a bridge that exists only there. The host reaches the API server
+through a forwarder on its loopback (``netns.py``); pods reach what a test
+exposes (:meth:`PodNode.expose`, e.g. PostgreSQL) at the node's address.
 
-Addresses (inside the namespace): the node is ``10.88.0.1`` on a bridge of its own,
-the API server listens on ``10.88.0.1:6443``, pods get ``10.244.0.0/24`` on
+Addresses (inside the namespace): the node is ``10.88.0.1`` on a bridge of its
+own, the API server listens on ``10.88.0.1:6443``, pods get ``10.244.0.0/24`` on
 the CNI bridge, whose gateway routes them to the node. There is no kube-proxy
 and no DNS: pods reach the API server through the chart's ``apiServer.host``.
 
-Host state the kubelet and containerd touch, and teardown undoes: the sysctls
-the kubelet tunes (``vm.overcommit_memory``, ``kernel.panic``,
-``kernel.panic_on_oops``, ...), its fixed directories (``/var/lib/kubelet``,
-``/var/log/pods``, ``/var/log/containers``), containerd's shim sockets under
-``/run/containerd``, CNI's cache under ``/var/lib/cni``, the pods' network
-namespaces under ``/run/netns``, the ``kubepods`` cgroups, and every mount
-made under those paths. Paths that existed before the node started are left
-alone.
+``node_files.py`` writes what the components read (certificates,
+configuration); ``host.py`` remembers the host state the kubelet and containerd
+change and puts it back at teardown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import aiohttp
-import yaml
+from host import HostState, kill_kubepods, kill_shims, unmount_under
 from kubernetes_asyncio.client import ApiClient, Configuration
+from netns import Forwarder, socket_in_namespace
+from node_files import (
+    APISERVER_PORT,
+    CNI_PLUGINS,
+    NODE_IP,
+    NODE_NAME,
+    PAUSE_IMAGE,
+    SERVICE_CLUSTER_IP_RANGE,
+    issue_certificates,
+    write_configuration,
+    write_kubeconfig,
+)
 
 from kopf_reconcile.testing.real_apiserver import (
     ETCD_BINARY,
@@ -59,34 +62,6 @@ from kopf_reconcile.testing.real_apiserver import (
 )
 
 NODE_BUILD_REVISION = 1
-NODE_NAME = "pod-tier-node"
-NODE_IP = "10.88.0.1"
-POD_SUBNET = "10.244.0.0/24"
-SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
-SERVICE_IP = "10.0.0.1"  # the `kubernetes` Service's address: in the certificate, never routed
-APISERVER_PORT = 6443
-PAUSE_IMAGE = "docker.io/kopf-reconcile/pause:1"
-CNI_PLUGINS = Path("/usr/lib/cni")
-#: Host sysctls the kubelet sets when it starts (``setupKernelTunables``): restored at teardown.
-KUBELET_SYSCTLS = (
-    "vm.overcommit_memory",
-    "vm.panic_on_oom",
-    "kernel.panic",
-    "kernel.panic_on_oops",
-    "kernel.keys.root_maxkeys",
-    "kernel.keys.root_maxbytes",
-)
-#: Fixed host paths the node's components create; removed at teardown if they were not there.
-HOST_PATHS = (
-    Path("/var/lib/kubelet"),
-    Path("/var/log/pods"),
-    Path("/var/log/containers"),
-    Path("/run/containerd"),
-    Path("/var/lib/cni"),
-    Path("/run/netns"),
-)
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-_CLONE_NEWNET = 0x40000000
 
 
 class NodeError(RealClusterError):
@@ -118,212 +93,6 @@ def missing_parts() -> list[str]:
     return missing
 
 
-# --- network namespaces ------------------------------------------------------
-
-
-def socket_in_namespace(namespace: Path, family: int = socket.AF_INET) -> socket.socket:
-    """A TCP socket that lives in the network namespace at ``namespace``.
-
-    A socket belongs to the namespace of the thread that creates it, for its whole
-    life: a short-lived thread enters the namespace, creates it, and ends (taking its
-    namespace with it), so the calling thread never leaves the host's.
-    """
-    created: list[socket.socket] = []
-    failure: list[BaseException] = []
-
-    def create() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(namespace, os.O_RDONLY)
-            try:
-                if libc.setns(fd, _CLONE_NEWNET) != 0:
-                    errno = ctypes.get_errno()
-                    raise OSError(errno, f"setns({namespace}): {os.strerror(errno)}")
-            finally:
-                os.close(fd)
-            created.append(socket.socket(family, socket.SOCK_STREAM))
-        except BaseException as exc:  # handed to the calling thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=create, name="netns-socket")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return created[0]
-
-
-async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-    try:
-        while data := await source.read(65536):
-            sink.write(data)
-            await sink.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        sink.close()
-
-
-class Forwarder:
-    """A TCP listener piping each connection to an address, across network namespaces.
-
-    ``listen`` and ``connect`` each make a socket; either may be
-    :func:`socket_in_namespace`, so the same class takes the host's loopback into the
-    node (the API server) and the node's address out to the host (PostgreSQL).
-    """
-
-    def __init__(
-        self,
-        listen: Callable[[], socket.socket],
-        listen_address: tuple[str, int],
-        connect: Callable[[], socket.socket],
-        connect_address: tuple[str, int] | str,
-    ) -> None:
-        self._listen, self._listen_address = listen, listen_address
-        self._connect, self._connect_address = connect, connect_address
-        self._server: asyncio.Server | None = None
-        self._pipes: set[asyncio.Task[None]] = set()
-        self.port = 0
-
-    async def start(self) -> None:
-        sock = self._listen()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(self._listen_address)
-        sock.listen(128)
-        sock.setblocking(False)
-        self._server = await asyncio.start_server(self._accept, sock=sock)
-        self.port = sock.getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for task in list(self._pipes):
-            task.cancel()
-        await asyncio.gather(*self._pipes, return_exceptions=True)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            if isinstance(self._connect_address, str):
-                up_reader, up_writer = await asyncio.open_unix_connection(self._connect_address)
-            else:
-                upstream = await asyncio.to_thread(self._connect)
-                upstream.setblocking(False)
-                await asyncio.get_running_loop().sock_connect(upstream, self._connect_address)
-                up_reader, up_writer = await asyncio.open_connection(sock=upstream)
-        except OSError:
-            writer.close()
-            return
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(_pipe(source, sink))
-            self._pipes.add(task)
-            task.add_done_callback(self._pipes.discard)
-
-
-# --- host state --------------------------------------------------------------
-
-
-def _read_sysctl(name: str) -> str | None:
-    path = Path("/proc/sys") / name.replace(".", "/")
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
-def _mounts_under(roots: list[Path]) -> list[str]:
-    """Mount points at or below any of ``roots``, deepest first."""
-    found = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4].encode().decode("unicode_escape")
-        if any(point == str(root) or point.startswith(f"{root}/") for root in roots):
-            found.append(point)
-    return sorted(found, key=lambda p: p.count("/"), reverse=True)
-
-
-def _unmount_under(roots: list[Path]) -> None:
-    for point in _mounts_under(roots):
-        subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
-
-
-def _kubepods_cgroups() -> Iterator[Path]:
-    """Every ``kubepods`` cgroup the kubelet made, in each hierarchy, deepest first."""
-    for hierarchy in sorted(CGROUP_ROOT.iterdir()) if CGROUP_ROOT.is_dir() else []:
-        top = hierarchy / "kubepods"
-        if top.is_dir() and not top.is_symlink():
-            below = [Path(d) for d, _, _ in os.walk(top)]
-            yield from sorted(below, key=lambda p: len(p.parts), reverse=True)
-
-
-def _kill_kubepods() -> None:
-    """SIGKILL every process still in a pod's cgroup, then remove the cgroups."""
-    for _ in range(50):
-        pids = set()
-        for group in _kubepods_cgroups():
-            with contextlib.suppress(OSError):
-                pids.update(int(p) for p in (group / "cgroup.procs").read_text().split())
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-    for group in _kubepods_cgroups():
-        with contextlib.suppress(OSError):
-            group.rmdir()
-
-
-def _kill_shims(containerd_socket: Path) -> None:
-    """containerd's shims outlive it: kill the ones serving this node's containerd."""
-    marker = str(containerd_socket).encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and marker in argv:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(proc.name), signal.SIGKILL)
-
-
-# --- certificates ------------------------------------------------------------
-
-
-def _openssl(*args: str | Path) -> None:
-    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
-
-
-def _issue_certificates(pki: Path) -> None:
-    """A CA, and the API server's serving certificate for every address it is reached at."""
-    pki.mkdir()
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", pki / "ca.key")
-    _openssl("req", "-x509", "-new", "-key", pki / "ca.key", "-subj", "/CN=pod-tier-ca",
-             "-days", "2", "-out", pki / "ca.crt")  # fmt: skip
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", pki / "apiserver.key")
-    _openssl("req", "-new", "-key", pki / "apiserver.key", "-subj", "/CN=kube-apiserver",
-             "-out", pki / "apiserver.csr")  # fmt: skip
-    names = [
-        f"IP:{NODE_IP}",
-        f"IP:{SERVICE_IP}",
-        "IP:127.0.0.1",
-        "DNS:localhost",
-        "DNS:kubernetes",
-        "DNS:kubernetes.default",
-        "DNS:kubernetes.default.svc",
-        "DNS:kubernetes.default.svc.cluster.local",
-    ]
-    (pki / "apiserver.ext").write_text(
-        "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
-        f"extendedKeyUsage=serverAuth\nsubjectAltName={','.join(names)}\n"
-    )
-    _openssl("x509", "-req", "-in", pki / "apiserver.csr", "-CA", pki / "ca.crt",
-             "-CAkey", pki / "ca.key", "-CAcreateserial", "-days", "2",
-             "-extfile", pki / "apiserver.ext", "-out", pki / "apiserver.crt")  # fmt: skip
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", pki / "sa.key")
-
-
 # --- the node ----------------------------------------------------------------
 
 
@@ -344,10 +113,8 @@ class PodNode:
         self._workdir: Path | None = None
         self._processes: list[ChildProcess] = []
         self._forwarders: list[Forwarder] = []
-        self._sysctls: dict[str, str] = {}
-        self._created_paths: list[Path] = []
+        self._host = HostState()
         self._namespace_made = False
-        self._pod_namespaces_before: set[str] = set()
         self._api_forwarder: Forwarder | None = None
 
     # --- what tests use ------------------------------------------------------
@@ -414,27 +181,6 @@ class PodNode:
             return []
         lines = path.read_text(errors="replace").splitlines()
         return [json.loads(line) for line in lines if line.startswith("{")]
-
-    async def get(self, address: str, port: int, path: str) -> tuple[int, str]:
-        """An HTTP GET to ``address:port`` inside the node (a pod's endpoint): status, body."""
-        sock = await asyncio.to_thread(socket_in_namespace, self.namespace)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(
-                asyncio.get_running_loop().sock_connect(sock, (address, port)), 5
-            )
-        except BaseException:
-            sock.close()
-            raise
-        reader, writer = await asyncio.open_connection(sock=sock)
-        try:
-            writer.write(f"GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n".encode())
-            await writer.drain()
-            answer = await asyncio.wait_for(reader.read(), 5)
-        finally:
-            writer.close()
-        head, _, body = answer.decode(errors="replace").partition("\r\n\r\n")
-        return int(head.split()[1]), body
 
     async def running_containers(self) -> list[str]:
         """``namespace/pod/container`` of every running container but the pods' sandboxes."""
@@ -509,12 +255,12 @@ class PodNode:
         kubelet = [p for p in self._processes if p.name == "kubelet"]
         for process in kubelet:
             await process.stop()
-        await asyncio.to_thread(_kill_kubepods)
+        await asyncio.to_thread(kill_kubepods)
         containerd = [p for p in self._processes if p.name == "containerd"]
         for process in containerd:
             await process.stop()
         if self._workdir is not None:
-            _kill_shims(self._dir / "containerd.sock")
+            kill_shims(self._dir / "containerd.sock")
         while self._processes:
             await self._processes.pop().stop()
         await asyncio.to_thread(self._restore_host)
@@ -528,43 +274,16 @@ class PodNode:
         return self._workdir
 
     def _restore_host(self) -> None:
-        for name, value in self._sysctls.items():
-            if _read_sysctl(name) != value:
-                subprocess.run(["sysctl", "-q", "-w", f"{name}={value}"], check=False)
-        self._sysctls.clear()
-        netns_dir = Path("/run/netns")
-        if netns_dir.is_dir():  # the pods' namespaces (containerd's), then the node's own
-            for name in set(os.listdir(netns_dir)) - self._pod_namespaces_before:
-                if name.startswith("cni-"):
-                    _unmount_under([netns_dir / name])
-                    with contextlib.suppress(OSError):
-                        (netns_dir / name).unlink()
+        self._host.restore_sysctls()
+        self._host.remove_pod_namespaces()
         if self._namespace_made:
             subprocess.run(["ip", "netns", "delete", self.namespace_name], check=False)
             self._namespace_made = False
-        for path in reversed(self._created_paths):
-            if path == netns_dir:  # `ip netns` made it a mount point; only while empty
-                if path.is_dir() and not os.listdir(path):
-                    _unmount_under([path])
-                    with contextlib.suppress(OSError):
-                        path.rmdir()
-            else:
-                _unmount_under([path])
-                shutil.rmtree(path, ignore_errors=True)
-        self._created_paths.clear()
+        self._host.remove_created_paths()
         if self._workdir is not None:
-            _unmount_under([self._workdir])
+            unmount_under([self._workdir])
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
-
-    def _remember_host(self) -> None:
-        for name in KUBELET_SYSCTLS:
-            value = _read_sysctl(name)
-            if value is not None:
-                self._sysctls[name] = value
-        self._created_paths = [path for path in HOST_PATHS if not path.exists()]
-        if Path("/run/netns").is_dir():
-            self._pod_namespaces_before = set(os.listdir("/run/netns"))
 
     def _spawn(self, name: str, argv: list[str]) -> ChildProcess:
         """Run ``argv`` inside the node's network namespace (and the host's mounts)."""
@@ -583,15 +302,15 @@ class PodNode:
 
     async def _start(self) -> None:
         started = time.monotonic()
-        self._remember_host()
+        self._host.remember()
         self._run_on_host("ip", "netns", "add", self.namespace_name)
         self._namespace_made = True
         self._inside("ip", "link", "set", "lo", "up")
         self._inside("ip", "link", "add", "node0", "type", "bridge")
         self._inside("ip", "address", "add", f"{NODE_IP}/32", "dev", "node0")
         self._inside("ip", "link", "set", "node0", "up")
-        await asyncio.to_thread(_issue_certificates, self._dir / "pki")
-        self._write_configuration()
+        await asyncio.to_thread(issue_certificates, self._dir / "pki")
+        write_configuration(self._dir, self.admin_token, self.kubelet_token)
         etcd_url = await self._start_etcd()
         await self._start_apiserver(etcd_url)
         self.timings["apiserver ready"] = time.monotonic() - started
@@ -678,7 +397,7 @@ class PodNode:
         )
         await self._api_forwarder.start()
         self._forwarders.append(self._api_forwarder)
-        self._write_kubeconfig(self.kubeconfig, self.url, "admin", self.admin_token)
+        write_kubeconfig(self._dir, self.kubeconfig, self.url, "admin", self.admin_token)
 
         async def ready() -> bool:
             async with self.http_session(timeout=aiohttp.ClientTimeout(total=5)) as session:
@@ -730,96 +449,3 @@ class PodNode:
                 logs = "\n".join(f"--- {p.name}:\n{p.log_tail(15)}" for p in self._processes)
                 raise NodeError(f"{name} not ready after {self.ready_timeout:.0f} s\n{logs}")
             await asyncio.sleep(0.2)
-
-    def _write_configuration(self) -> None:
-        d = self._dir
-        (d / "tokens.csv").write_text(
-            f'{self.admin_token},admin,admin,"system:masters"\n'
-            f'{self.kubelet_token},system:node:{NODE_NAME},kubelet,"system:nodes"\n'
-        )
-        (d / "audit-policy.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
-            "omitStages": ["RequestReceived"], "rules": [{"level": "Metadata"}],
-        }))  # fmt: skip
-        inside = f"https://{NODE_IP}:{APISERVER_PORT}"
-        self._write_kubeconfig(str(d / "kubeconfig-inside"), inside, "admin", self.admin_token)
-        self._write_kubeconfig(
-            str(d / "kubeconfig-kubelet"), inside, f"system:node:{NODE_NAME}", self.kubelet_token
-        )
-        (d / "cni").mkdir()
-        (d / "cni" / "10-pod-tier.conflist").write_text(json.dumps({
-            "cniVersion": "0.4.0",
-            "name": "pod-tier",
-            "plugins": [{
-                "type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": False,
-                "hairpinMode": True,
-                "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET}]],
-                         "routes": [{"dst": "0.0.0.0/0"}], "dataDir": str(d / "cni-ipam")},
-            }],
-        }))  # fmt: skip
-        (d / "containerd.toml").write_text(f"""\
-version = 2
-root = "{d / "containerd" / "root"}"
-state = "{d / "containerd" / "state"}"
-# Plugins that would write outside the node's directory, or are of no use here.
-disabled_plugins = [
-  "io.containerd.internal.v1.opt",
-  "io.containerd.snapshotter.v1.aufs",
-  "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs",
-  "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.tracing.processor.v1.otlp",
-]
-
-[grpc]
-  address = "{d / "containerd.sock"}"
-
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{PAUSE_IMAGE}"
-  # runc cannot set the sandbox's OOM score without CAP_SYS_RESOURCE, which a VM may lack.
-  restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        Root = "{d / "runc"}"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{CNI_PLUGINS}"
-    conf_dir = "{d / "cni"}"
-""")
-        (d / "kubelet.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "kind": "KubeletConfiguration",
-            "cgroupDriver": "cgroupfs",
-            "failSwapOn": False,
-            "address": NODE_IP,
-            "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1",
-            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
-            "authorization": {"mode": "AlwaysAllow"},
-            "volumePluginDir": str(d / "kubelet-volume-plugins"),
-            "makeIPTablesUtilChains": False,
-            "serializeImagePulls": False,
-            # The machine's disk is not the node's concern: never evict for it.
-            "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%",
-                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
-            "imageGCHighThresholdPercent": 100,
-            "imageGCLowThresholdPercent": 99,
-            "podPidsLimit": -1,
-        }))  # fmt: skip
-
-    def _write_kubeconfig(self, path: str, server: str, user: str, token: str) -> None:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "pods", "cluster": {"server": server,
-                                                      "certificate-authority": str(self.ca_file)}}],
-            "users": [{"name": user, "user": {"token": token}}],
-            "contexts": [{"name": "pods", "context": {"cluster": "pods", "user": user,
-                                                      "namespace": "default"}}],
-            "current-context": "pods",
-        }  # fmt: skip
-        Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
