@@ -74,8 +74,9 @@ chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py --seed $(SEED) --duration $(DURATION) --replicas $(REPLICAS) \
 		--elector $(ELECTOR) --devices $(DEVICES) --tier $(TIER)
 
+# Every benchmark, then benchmarks/RESULTS.md (this project vs its baseline, same run); < 15 min.
 bench: $(STAMP) tools
-	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	$(BIN)/python scripts/bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

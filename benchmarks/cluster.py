@@ -165,6 +165,18 @@ async def main(requests: int, window: int) -> None:
     print(f"internal sizes after {window:,}: {sizes_early}")
     print(f"internal sizes after {requests:,}: {sizes_late}")
     print(f"max RSS: {rss_early:.1f} MiB -> {rss_late:.1f} MiB")
+    line = {
+        "benchmark": "cluster",
+        "figure": "embedded API server requests/s (the test harness) vs a bare aiohttp handler",
+        "ours": [middle_rate],
+        "baseline": [baseline],
+        "unit": "/s",
+        "ratio": "ours/baseline",
+        "target": [">=", 1000],
+        "target_applies_to": "ours_median",
+        "extra": {"p50 latency flatness (last/first)": flat_p50},
+    }
+    print("RESULT " + json.dumps(line), flush=True)  # read by scripts/bench.py
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ fed in 10 rounds (each round names every entity once and waits until it is
 drained, so neither side can coalesce: both do exactly 100,000 reconciles).
 The Loop runs with its defaults (default requeue timer per success, metrics
 off; a second row adds metrics). Prints reconciles/s for both and the ratio,
-measured in the same run. Target: >= 0.5x the bare loop at every concurrency.
+measured in the same run. Target: >= 0.5x the bare loop at every concurrency. A final
+``RESULT`` line per concurrency (every run's rate) is read by ``scripts/bench.py``.
 
     python benchmarks/dispatch.py [--entities N] [--rounds R] [--repeat K]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
 from collections.abc import Callable, Coroutine
@@ -79,8 +81,10 @@ async def through_loop(entities: list[str], rounds: int, concurrency: int, metri
     return len(entities) * rounds / elapsed
 
 
-def best_of(repeat: int, run: Callable[..., Coroutine[None, None, float]], *args: object) -> float:
-    return max(asyncio.run(run(*args)) for _ in range(repeat))
+def runs_of(
+    repeat: int, run: Callable[..., Coroutine[None, None, float]], *args: object
+) -> list[float]:
+    return [asyncio.run(run(*args)) for _ in range(repeat)]
 
 
 def main() -> None:
@@ -96,11 +100,26 @@ def main() -> None:
     header = ("concurrency", "bare/s", "loop/s", "ratio", "+metrics/s", "ratio")
     print("{:>11}  {:>10}  {:>10}  {:>6}  {:>10}  {:>6}".format(*header))
     ratios: list[float] = []
+    results: list[dict[str, object]] = []
     for concurrency in (1, 8, 64):
-        base = best_of(args.repeat, bare, entities, args.rounds, concurrency)
-        plain = best_of(args.repeat, through_loop, entities, args.rounds, concurrency, False)
-        metered = best_of(args.repeat, through_loop, entities, args.rounds, concurrency, True)
+        base_runs = runs_of(args.repeat, bare, entities, args.rounds, concurrency)
+        plain_runs = runs_of(args.repeat, through_loop, entities, args.rounds, concurrency, False)
+        metered = max(runs_of(args.repeat, through_loop, entities, args.rounds, concurrency, True))
+        base, plain = max(base_runs), max(plain_runs)
         ratios.append(plain / base)
+        results.append(
+            {
+                "benchmark": "dispatch",
+                "figure": f"no-op reconciles/s at concurrency {concurrency}, Loop vs bare "
+                "asyncio.Queue",
+                "ours": plain_runs,
+                "baseline": base_runs,
+                "unit": "/s",
+                "ratio": "ours/baseline",
+                "target": [">=", 0.5],
+                "extra": {"with metrics (best run) / bare": metered / base},
+            }
+        )
         print(
             f"{concurrency:>11}  {base:>10,.0f}  {plain:>10,.0f}  {plain / base:>5.2f}x"
             f"  {metered:>10,.0f}  {metered / base:>5.2f}x"
@@ -110,6 +129,8 @@ def main() -> None:
         f"summary: worst ratio {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x "
         f"(target >= 0.5x: {verdict})"
     )
+    for line in results:
+        print("RESULT " + json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

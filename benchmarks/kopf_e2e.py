@@ -16,10 +16,14 @@ and one embedded PostgreSQL. After a warm-up Device proves the operator is up (a
 leading), 1,000 Devices are created (32 requests at a time) and the clock runs until every
 one's state is in PostgreSQL, then until every status reports it. The operators take turns
 for ``--rounds`` rounds, each in a fresh namespace and database; the medians are printed
-with the ratio and the API requests (all, and writes) per Device. Target: the shim >= 3x
-faster.
+with the ratio and the API requests (all, and writes) per Device, the operator's CPU
+seconds per 1,000 Devices and its peak RSS per Device (its high-water mark over the whole
+process, less the one after the warm-up), and for the shim the reconciles per Device
+(from its /metrics). Target: the shim >= 3x faster. ``--shim-handlers`` runs another
+handlers file as the shim (to compare a variant of the example). A final ``RESULT`` line
+per figure is read by ``scripts/bench.py``.
 
-    python benchmarks/kopf_e2e.py [--devices N] [--rounds R]
+    python benchmarks/kopf_e2e.py [--devices N] [--rounds R] [--shim-handlers PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -69,6 +74,8 @@ class Outcome:
     reported: float  # seconds until every status reported it
     cpu: float  # CPU seconds the operator process spent meanwhile
     requests: dict[str, int]  # by verb (WATCH for watch requests)
+    rss_growth: float  # bytes: peak RSS at the end less the peak after the warm-up
+    reconciles: float  # reconciles of Devices (shim only, from its metrics; NaN otherwise)
 
     @property
     def total(self) -> int:
@@ -148,8 +155,11 @@ async def run(
         async with http.post("/api/v1/namespaces", json={"metadata": {"name": namespace}}) as r:
             assert r.status == 201, await r.text()
         url = f"/apis/example.com/v1/namespaces/{namespace}/devices"
+        metrics_port = free_port() if contestant.name == "shim" else None
+        extra = [] if metrics_port is None else [f"--metrics-port={metrics_port}"]
         process = await asyncio.create_subprocess_exec(
             *contestant.argv,
+            *extra,
             f"--namespace={namespace}",
             env=env,
             stdout=asyncio.subprocess.DEVNULL,
@@ -159,6 +169,8 @@ async def run(
             await create(http, url, "warm-up")
             await until(lambda: stored(pool, namespace, 1), timeout=60)
             await http.delete(COUNTS)
+            reconciles_before = await reconcile_total(metrics_port)
+            rss_before = peak_rss(process.pid)
             cpu_before = cpu_seconds(process.pid)
             started = time.perf_counter()
             semaphore = asyncio.Semaphore(CREATE_CONCURRENCY)
@@ -174,8 +186,11 @@ async def run(
             await until(lambda: reported(http, url, devices + 1), timeout=600, interval=0.25)
             reported_after = time.perf_counter() - started
             cpu = cpu_seconds(process.pid) - cpu_before
+            rss_growth = peak_rss(process.pid) - rss_before
             async with http.get(COUNTS) as response:
                 requests = await response.json()
+            await asyncio.sleep(0.5)  # the echoes of the last status patches, if any
+            reconciles = await reconcile_total(metrics_port) - reconciles_before
         finally:
             process.send_signal(signal.SIGTERM)
             try:
@@ -183,7 +198,42 @@ async def run(
             except TimeoutError:
                 process.kill()
                 await process.wait()
-    return Outcome(created, stored_after, reported_after, cpu, requests)
+    return Outcome(created, stored_after, reported_after, cpu, requests, rss_growth, reconciles)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def reconcile_total(port: int | None) -> float:
+    """Reconciles the shim has run (every result), from its /metrics; NaN without them."""
+    if port is None:
+        return float("nan")
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        text = await response.text()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("kopf_reconcile_reconcile_total{")
+    )
+
+
+def peak_rss(pid: int) -> float:
+    """The process's peak resident set size in bytes (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/status") as file:
+            for line in file:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("nan")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -241,7 +291,7 @@ async def until(
 # -- the comparison -------------------------------------------------------------------------
 
 
-async def main(devices: int, rounds: int) -> None:
+async def main(devices: int, rounds: int, shim_handlers: Path) -> None:
     contestants = [
         Contestant(
             "plain",
@@ -251,8 +301,7 @@ async def main(devices: int, rounds: int) -> None:
         Contestant(
             "shim",
             "kopf-reconcile shim",
-            [str(BIN / "kopf-reconcile"), "run", str(ROOT / "operator" / "examples" / "devices.py"),
-             "--metrics-port=0"],
+            [str(BIN / "kopf-reconcile"), "run", str(shim_handlers)],
         ),
     ]  # fmt: skip
     outcomes: dict[str, list[Outcome]] = {c.name: [] for c in contestants}
@@ -284,7 +333,8 @@ def report(
     )
     print(
         f"{'':<28} {'state stored':>12} {'status':>8} {'requests/Device':>16} "
-        f"{'writes/Device':>14} {'operator CPU':>13}"
+        f"{'writes/Device':>14} {'operator CPU':>13} {'CPU s/1k':>9} {'RSS KiB/Device':>15} "
+        f"{'reconciles/Device':>18}"
     )
     for c in contestants:
         print(
@@ -292,7 +342,10 @@ def report(
             f"{median(c.name, lambda o: o.reported):>7.2f}s "
             f"{median(c.name, lambda o: o.total) / devices:>16.2f} "
             f"{median(c.name, lambda o: o.writes) / devices:>14.2f} "
-            f"{median(c.name, lambda o: o.cpu):>12.2f}s"
+            f"{median(c.name, lambda o: o.cpu):>12.2f}s "
+            f"{median(c.name, lambda o: o.cpu) * 1000 / devices:>9.2f} "
+            f"{median(c.name, lambda o: o.rss_growth) / 1024 / devices:>15.2f} "
+            f"{median(c.name, lambda o: o.reconciles) / devices:>18.2f}"
         )
     for c in contestants:
         runs = ", ".join(f"{o.stored:.2f}s" for o in outcomes[c.name])
@@ -302,15 +355,87 @@ def report(
     stored = median("plain", lambda o: o.stored) / median("shim", lambda o: o.stored)
     status = median("plain", lambda o: o.reported) / median("shim", lambda o: o.reported)
     print(f"shim speed-up: {stored:.2f}x until state stored (target >= 3x), {status:.2f}x status")
+    cpu = median("plain", lambda o: o.cpu) / median("shim", lambda o: o.cpu)
+    print(f"operator CPU per Device: plain / shim = {cpu:.2f}x (target >= 3x)")
+    shim, plain = outcomes["shim"], outcomes["plain"]
+    scale = f" ({devices:,} Devices)"
+    result(
+        "kopf_e2e",
+        "time until every state is stored, shim vs plain kopf" + scale,
+        [o.stored for o in shim],
+        [o.stored for o in plain],
+        unit="s",
+        ratio="baseline/ours",
+        target=(">=", 3.0),
+    )
+    result(
+        "kopf_e2e",
+        "operator CPU seconds per 1,000 Devices, shim vs plain kopf" + scale,
+        [o.cpu * 1000 / devices for o in shim],
+        [o.cpu * 1000 / devices for o in plain],
+        unit="s",
+        ratio="baseline/ours",
+        target=(">=", 3.0),
+        extra={"shim reconciles per Device": median("shim", lambda o: o.reconciles) / devices},
+    )
+    result(
+        "kopf_e2e",
+        "operator peak RSS growth per Device, shim vs plain kopf" + scale,
+        [o.rss_growth / 1024 / devices for o in shim],
+        [o.rss_growth / 1024 / devices for o in plain],
+        unit="KiB",
+        ratio="ours/baseline",
+        target=("<=", 1.0),
+    )
+    result(
+        "kopf_e2e",
+        "API requests per Device, shim vs plain kopf" + scale,
+        [o.total / devices for o in shim],
+        [o.total / devices for o in plain],
+        unit="",
+        ratio="ours/baseline",
+        target=("<=", 1.0),
+    )
+
+
+def result(
+    benchmark: str,
+    figure: str,
+    ours: list[float],
+    baseline: list[float],
+    *,
+    unit: str,
+    ratio: str,
+    target: tuple[str, float],
+    extra: dict[str, float] | None = None,
+) -> None:
+    """One machine-readable line for scripts/bench.py (RESULTS.md)."""
+    line = {
+        "benchmark": benchmark,
+        "figure": figure,
+        "ours": ours,
+        "baseline": baseline,
+        "unit": unit,
+        "ratio": ratio,
+        "target": list(target),
+        "extra": extra or {},
+    }
+    print("RESULT " + json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--shim-handlers",
+        type=Path,
+        default=ROOT / "operator" / "examples" / "devices.py",
+        help="the handlers file the shim runs (default: the example operator)",
+    )
     parser.add_argument("--serve-cluster", action="store_true", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.serve_cluster:
         asyncio.run(serve_cluster())
     else:
-        asyncio.run(main(arguments.devices, arguments.rounds))
+        asyncio.run(main(arguments.devices, arguments.rounds, arguments.shim_handlers))

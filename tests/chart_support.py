@@ -149,9 +149,11 @@ async def assert_every_verb_is_needed(
                     del smaller["rules"][index]
                 smaller = await api(http, "PUT", path, smaller)
                 what = f"{doc['kind']} {doc['metadata']['name']}: {rule['resources']} {verb}"
-                await eventually(any_denied, timeout=10, message=f"something used needs {what}")
-                restored = {**original, "metadata": smaller["metadata"]}
-                original = await api(http, "PUT", path, restored)
+                try:
+                    await eventually(any_denied, timeout=10, message=f"something used needs {what}")
+                finally:  # restored even when the check fails: later steps need the role
+                    restored = {**original, "metadata": smaller["metadata"]}
+                    original = await api(http, "PUT", path, restored)
                 await eventually(none_denied, timeout=10, message=f"{what} restored")
 
 

@@ -13,9 +13,12 @@ it should be in (``on``, ``off`` or ``standby``). The reconciler
 4. raises ``PermanentError`` for a state outside the vocabulary: retrying cannot
    help, so the Device is dead-lettered until its spec changes.
 
-A Device whose status already reports its current spec is left alone, so the
-status patch's own watch event costs no second write. A deleted Device gets a
-tombstone ``{"deleted": true}`` in the store.
+A Device whose status already reports its current spec is left alone. The
+reconciler is registered with ``generation_changed=True``: the watch event of its
+own status patch (which leaves ``metadata.generation`` as it was) is cached but
+triggers no second reconcile; a spec change, a creation, a deletion and the
+resyncs do. A status edited by hand is therefore corrected at the next resync.
+A deleted Device gets a tombstone ``{"deleted": true}`` in the store.
 
 Run it:
 
@@ -64,7 +67,14 @@ def _work_delay() -> float:
 WORK_DELAY = _work_delay()
 
 
-@kr.reconciler(GROUP, VERSION, PLURAL, tenancy=kr.Tenancy.TENANT_SCOPED, concurrency=8)
+@kr.reconciler(
+    GROUP,
+    VERSION,
+    PLURAL,
+    tenancy=kr.Tenancy.TENANT_SCOPED,
+    concurrency=8,
+    generation_changed=True,  # our own status patches do not trigger us again
+)
 async def reconcile_device(req: kr.Request) -> kr.Result | None:
     body = kr.cached(req)
     writer = kr.fenced_writer()  # None in single-process mode

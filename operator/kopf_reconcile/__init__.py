@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 from kopf_reconcile.api import ConfigError, PermanentError, Reconciler, Request, Result
 from kopf_reconcile.builder import Builder, new
 from kopf_reconcile.cache import cached
-from kopf_reconcile.fencing.protocol import FencedRepository, StaleEpochError
+from kopf_reconcile.events import EventRecord, EventSink, event
+from kopf_reconcile.fencing.protocol import (
+    DeadLetter,
+    DeadLetterStore,
+    FencedRepository,
+    StaleEpochError,
+)
 from kopf_reconcile.fencing.writer import FencedWriter, fenced_writer
 from kopf_reconcile.leader.protocol import (
     LeaderElector,
@@ -43,6 +49,10 @@ __all__ = [
     "Builder",
     "ChannelTrigger",
     "ConfigError",
+    "DeadLetter",
+    "DeadLetterStore",
+    "EventRecord",
+    "EventSink",
     "FencedRepository",
     "FencedWriter",
     "KubernetesLeaseElector",
@@ -66,6 +76,7 @@ __all__ = [
     "TickerTrigger",
     "Trigger",
     "cached",
+    "event",
     "fenced_writer",
     "new",
     "reconciler",

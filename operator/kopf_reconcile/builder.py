@@ -15,11 +15,14 @@ import random
 from typing import Self
 
 from kopf_reconcile.api import ConfigError, Duration, ReconcilerLike, as_reconcile_fn, seconds
-from kopf_reconcile.config import LoopConfig
+from kopf_reconcile.config import LoopConfig, validate_name
+from kopf_reconcile.events import EventSink
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.leader.protocol import LeaderElector
 from kopf_reconcile.loop import Loop
 from kopf_reconcile.metrics import Metrics
+from kopf_reconcile.sharded_loop import ShardedLoop
+from kopf_reconcile.sharding import ShardAssignment, validate_shards
 from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.triggers import Trigger
 
@@ -29,6 +32,7 @@ class Builder:
 
     def __init__(self, reconciler: ReconcilerLike, tenancy: Tenancy) -> None:
         self._config = LoopConfig(reconciler=reconciler, tenancy=tenancy, triggers=[])
+        self._shards = ShardAssignment(1)
 
     def with_trigger(self, trigger: Trigger) -> Self:
         """Add a source of requests (may be called more than once)."""
@@ -70,11 +74,22 @@ class Builder:
         self._config.metrics = metrics
         return self
 
+    def with_events(self, sink: EventSink) -> Self:
+        """Record failures, dead letters and recoveries as events (see ``kopf_reconcile.events``).
+
+        Default: none. The kopf shim gives its Loops a sink that posts Kubernetes Events.
+        """
+        self._config.events = sink
+        return self
+
+    def with_redrive_interval(self, interval: Duration) -> Self:
+        """How often a leader with a dead-letter store looks for redrive requests. Default 2 s."""
+        self._config.redrive_interval = seconds("redrive interval", interval)
+        return self
+
     def with_name(self, name: str) -> Self:
         """Controller name in metrics and logs. Default: the reconciler's name."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"name must be a non-empty string, got {name!r}")
-        self._config.name = name
+        self._config.name = validate_name(name)
         return self
 
     def with_reconciler_id(self, reconciler_id: str) -> Self:
@@ -108,6 +123,18 @@ class Builder:
         self._config.rng = rng
         return self
 
+    def with_shards(self, shards: int, *, by_namespace: bool = False) -> Self:
+        """Split the entities into ``shards`` shards, each led under a lease of its own.
+
+        Default 1 (not sharded). With N > 1, shard ``k`` has the lease and fencing scope
+        ``<reconciler id>-shard-<k>``; an entity's shard is FNV-1a 64 of its id (or, with
+        ``by_namespace``, of what precedes its first ``/``) modulo N. Requires a leader,
+        and a fenced repository that can fence shards (``ShardableRepository``); see
+        :mod:`kopf_reconcile.sharded_loop`. ``concurrency`` is per shard.
+        """
+        self._shards = ShardAssignment(validate_shards(shards), by_namespace)
+        return self
+
     def without_default_requeue(self) -> Self:
         """Do not re-observe after a success unless the reconciler asks (``requeue_after``)."""
         self._config.default_requeue = False
@@ -133,6 +160,10 @@ class Builder:
             raise ConfigError(
                 "fenced repo: with_fenced_repo() requires with_leader(); without a "
                 "leadership epoch every write would carry epoch 0 and nothing is fenced"
+            )
+        if self._shards.shards > 1:
+            return ShardedLoop(
+                config, shards=self._shards.shards, by_namespace=self._shards.by_namespace
             )
         return Loop(config)
 

@@ -34,6 +34,20 @@ current incarnation falls back to another one still live. A body without a
 uid cannot be told apart from an incarnation: it replaces them all, and any
 deletion of the entity removes it.
 
+What is kept. Before a body is stored, the cache's *transform* trims it: by
+default :func:`strip_managed_fields` drops ``metadata.managedFields`` and the
+``kubectl.kubernetes.io/last-applied-configuration`` annotation, which no
+reconciler reads and which often outweigh the rest of the object (as
+controller-runtime users do with a cache transform). ``transform=None`` keeps
+bodies whole; any other callable replaces the default. A transform must not
+change its argument (the watch owns it): it returns a new body or the same one.
+
+Own events. With ``skip_same_generation``, an update whose ``metadata.generation``
+equals the one of the body already cached for that object stores the new body
+but requests nothing (controller-runtime's ``GenerationChangedPredicate``): a
+reconciler that patches only its object's status does not trigger itself again.
+Creations, deletions, bodies without a generation and resyncs always request.
+
 Deletions and selection. Only what the cache holds can be gone for the
 reconciler: the deletion of an object it never held (say, one outside a label
 selection) requests nothing. An object that leaves the selection is forgotten
@@ -51,16 +65,41 @@ import copy
 import dataclasses
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from kopf_reconcile.api import Request
-from kopf_reconcile.triggers import Emit
+from kopf_reconcile.triggers import Emit, resync_emit
 
-__all__ = ["ObjectCache", "cached"]
+__all__ = ["LAST_APPLIED", "ObjectCache", "Transform", "cached", "strip_managed_fields"]
 
 Body = dict[str, Any]
+Transform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+
+def strip_managed_fields(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The default cache transform: ``body`` without managedFields and the last-applied copy.
+
+    ``body`` itself is never changed: when there is something to drop, the result is a
+    shallow copy with new ``metadata`` (and ``annotations``) mappings; otherwise it is
+    ``body``.
+    """
+    metadata = body.get("metadata")
+    if not isinstance(metadata, Mapping):
+        return body
+    annotations = metadata.get("annotations")
+    has_last_applied = isinstance(annotations, Mapping) and LAST_APPLIED in annotations
+    if "managedFields" not in metadata and not has_last_applied:
+        return body
+    trimmed = {k: v for k, v in metadata.items() if k != "managedFields"}
+    if has_last_applied:
+        assert isinstance(annotations, Mapping)
+        trimmed["annotations"] = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
+    return {**body, "metadata": trimmed}
+
 
 # Deleted uids remembered to ignore their late events: a window, not a history.
 GONE_MEMORY = 4096
@@ -79,7 +118,9 @@ class _Incarnation:
 class ObjectCache:
     """Latest object bodies by entity id; the trigger that turns watch events into requests."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, transform: Transform | None = strip_managed_fields) -> None:
+        """``transform``: applied to each body before it is stored (None: keep it whole)."""
+        self._transform = transform
         # entity id -> uid (None: a body without one) -> the latest body of that uid
         self._entities: dict[str, dict[str | None, _Incarnation]] = {}
         self._seen = itertools.count()
@@ -106,16 +147,31 @@ class ObjectCache:
 
     # -- the watch side ----------------------------------------------------------------
 
-    async def update(self, entity_id: str, body: Mapping[str, Any]) -> None:
-        """The object exists with this body: store it, then request a reconcile."""
+    async def update(
+        self, entity_id: str, body: Mapping[str, Any], *, skip_same_generation: bool = False
+    ) -> None:
+        """The object exists with this body: store it, then request a reconcile.
+
+        ``skip_same_generation``: request nothing when the body cached for this object
+        has the same ``metadata.generation`` (an update of status or metadata only).
+        """
         uid = _uid(body)
         if uid is None or uid not in self._gone:  # else a late event of a deleted incarnation
+            if self._transform is not None:
+                body = self._transform(body)
             incarnations = self._entities.get(entity_id)
             if incarnations is None or uid is None or None in incarnations:
                 incarnations = self._entities[entity_id] = {}
             known = incarnations.get(uid)
             seen = next(self._seen) if known is None else known.seen
             incarnations[uid] = _Incarnation(body, seen)
+            if (
+                skip_same_generation
+                and known is not None
+                and _generation(body) is not None
+                and _generation(body) == _generation(known.body)
+            ):
+                return  # the reconciler has seen this generation: nothing to do
         await self._request(entity_id)
 
     async def remove(self, entity_id: str, body: Mapping[str, Any] | None = None) -> None:
@@ -171,12 +227,13 @@ class ObjectCache:
         self._emit = emit
         self._closed = False  # a Loop feeds on it (again)
         self._wake.set()
+        emit_resync = resync_emit(emit)  # behind fresh events, never starved by them
         try:
             while True:
                 await self._resync.wait()
                 self._resync.clear()
                 for entity_id in list(self._entities):
-                    await emit(Request(entity_id))
+                    await emit_resync(Request(entity_id))
         except asyncio.CancelledError:
             self.close()  # a Loop cancels its triggers only when it stops (crashes restart)
             raise
@@ -213,6 +270,10 @@ class ObjectCache:
 def _uid(body: Mapping[str, Any] | None) -> str | None:
     uid = ((body or {}).get("metadata") or {}).get("uid")
     return uid if isinstance(uid, str) and uid else None
+
+
+def _generation(body: Mapping[str, Any]) -> object:
+    return (body.get("metadata") or {}).get("generation")
 
 
 def _created(body: Mapping[str, Any]) -> str:

@@ -19,6 +19,7 @@ import random
 import re
 
 from kopf_reconcile.api import ConfigError, as_reconcile_fn
+from kopf_reconcile.events import EventSink
 from kopf_reconcile.fencing.protocol import EpochRecordingRepository, FencedRepository
 from kopf_reconcile.leader.protocol import ElectorWithTTL, LeaderElector, LeaseTTL
 from kopf_reconcile.leader.timing import DEFAULT_RETRY_PERIOD, LeaseTiming
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_CONCURRENCY",
     "DEFAULT_INTAKE_CAPACITY",
     "DEFAULT_INTERVAL",
+    "DEFAULT_REDRIVE_INTERVAL",
     "DEFAULT_STOP_TIMEOUT",
     "LoopConfig",
     "default_reconciler_id",
@@ -44,7 +46,11 @@ DEFAULT_BACKOFF_BASE = 0.005  # client-go DefaultControllerRateLimiter: 5 ms
 DEFAULT_BACKOFF_MAX = 1000.0  # ... capped at 1000 s
 DEFAULT_STOP_TIMEOUT = 30.0  # controller-runtime GracefulShutdownTimeout
 DEFAULT_INTAKE_CAPACITY = 100_000  # ready entities before emit() blocks
+DEFAULT_REDRIVE_INTERVAL = 2.0  # how often a leader looks for redrive requests in its store
 
+#: The lease and scope names a sharded reconciler derives from its id (``sharding``,
+#: ``control.balance``); a reconciler of its own with such an id would share them.
+_RESERVED_SUFFIX = re.compile(r"-(shard|member)-[0-9]+$")
 _RFC1123_SUBDOMAIN = re.compile(
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 )
@@ -64,6 +70,8 @@ class LoopConfig:
     leader: LeaderElector | None = None
     fenced_repo: FencedRepository | None = None
     metrics: Metrics | None = None
+    events: EventSink | None = None
+    redrive_interval: float = DEFAULT_REDRIVE_INTERVAL
     name: str | None = None
     reconciler_id: str | None = None
     renew_interval: float = DEFAULT_RETRY_PERIOD
@@ -71,6 +79,9 @@ class LoopConfig:
     intake_capacity: int = DEFAULT_INTAKE_CAPACITY
     stop_timeout: float = DEFAULT_STOP_TIMEOUT
     rng: random.Random = dataclasses.field(default_factory=random.Random)
+    #: Set by a sharded reconciler on the Loop of each of its shards: that Loop's
+    #: reconciler id is ``<id>-shard-<k>``, a suffix no other reconciler may take.
+    shard_of: str | None = None
 
     def names(self) -> tuple[str, str]:
         """The controller name (metrics, logs) and the reconciler id (lease, fencing scope)."""
@@ -109,7 +120,19 @@ class LoopConfig:
             raise ConfigError(f"intake capacity must be >= 1, got {capacity!r}")
         if self.stop_timeout < 0:
             raise ConfigError(f"stop timeout must be >= 0 seconds, got {self.stop_timeout!r}")
-        validate_reconciler_id(self.names()[1])
+        rid = validate_reconciler_id(self.names()[1])
+        if self.shard_of is None and _RESERVED_SUFFIX.search(rid):
+            raise ConfigError(
+                f"reconciler_id {rid!r} ends like the lease of a shard or a member of a "
+                "sharded reconciler (-shard-<n>, -member-<n>): it would share that lease and "
+                "fencing scope; choose another reconciler_id"
+            )
+        if self.events is not None and not isinstance(self.events, EventSink):
+            raise ConfigError(f"events {self.events!r} is not an EventSink (async post)")
+        if self.redrive_interval <= 0:
+            raise ConfigError(
+                f"redrive interval must be > 0 seconds, got {self.redrive_interval!r}"
+            )
         repo = self.fenced_repo
         if repo is not None and not isinstance(repo, FencedRepository):
             raise ConfigError(f"fenced repo {repo!r} is not a FencedRepository (apply_fenced)")
@@ -138,6 +161,13 @@ class LoopConfig:
 def default_reconciler_id(name: str) -> str:
     """A lease-name-safe id derived from a reconciler's name (``reconcile_x`` → ``reconcile-x``)."""
     return re.sub(r"[^a-z0-9.-]+", "-", name.lower()).strip("-.") or "reconciler"
+
+
+def validate_name(value: object) -> str:
+    """A controller name (metrics and logs): any non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"name must be a non-empty string, got {value!r}")
+    return value
 
 
 def validate_reconciler_id(value: object) -> str:

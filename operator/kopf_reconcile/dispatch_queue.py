@@ -8,6 +8,9 @@ as client-go's delaying queue sits over its queue:
   Loop dispatches and ``capacity`` entities are ready, a new entity waits for room
   (backpressure, never a drop); an entity already ready or running never waits. A Loop
   that does not dispatch (a follower) keeps each id once and never blocks its triggers.
+  The two lanes of the work queue have their room counted apart: a fresh entity waits
+  only while ``capacity`` fresh ones are ready, so a full resync never holds back a
+  fresh change; a resync entity waits while ``capacity`` entities of either lane are.
 * **timers**: one event-loop timer, armed at the earliest due time of the delayed
   entities (requeues, backoff); when it fires, the due entities become ready and as many
   idle workers as can take them are woken.
@@ -51,7 +54,8 @@ class DispatchQueue:
         self._event_loop = asyncio.get_running_loop()
         self.now = self._event_loop.time
         self._idle_workers: deque[asyncio.Future[None]] = deque()
-        self._waiting_for_room: deque[asyncio.Future[None]] = deque()
+        self._waiting_for_room: deque[asyncio.Future[None]] = deque()  # resync entities
+        self._waiting_fresh: deque[asyncio.Future[None]] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0
 
@@ -73,6 +77,7 @@ class DispatchQueue:
         """Workers take no more work; triggers waiting for room go on (a follower keeps ids)."""
         self.dispatching = False
         _wake_all(self._waiting_for_room)
+        _wake_all(self._waiting_fresh)
 
     def close(self) -> None:
         """The Loop stops: no timer fires again and every waiter is released."""
@@ -81,29 +86,40 @@ class DispatchQueue:
             self._timer.cancel()
         _wake_all(self._idle_workers)
         _wake_all(self._waiting_for_room)
+        _wake_all(self._waiting_fresh)
 
     # -- intake ------------------------------------------------------------------------
 
-    async def put(self, entity: str) -> None:
-        """Add ``entity``, first waiting for room while a dispatching queue is full."""
+    async def put(self, entity: str, *, resync: bool = False) -> None:
+        """Add ``entity``, first waiting for room while a dispatching queue is full.
+
+        ``resync``: in the resync lane (see :class:`~kopf_reconcile.workqueue.WorkQueue`).
+        """
         queue = self.work_queue
+        capacity = self._capacity
+        waiters = self._waiting_for_room if resync else self._waiting_fresh
         while (
             self.dispatching
-            and queue.ready_count >= self._capacity
+            and (queue.ready_count if resync else queue.ready_count - queue.resync_count)
+            >= capacity
             and not queue.is_ready(entity)
             and not queue.is_processing(entity)
             and not self._closed
         ):
             room = self._event_loop.create_future()
-            self._waiting_for_room.append(room)
+            waiters.append(room)
             await room
-        self.add(entity)
+        self.add(entity, resync=resync)
 
-    def add(self, entity: str) -> None:
+    def add(self, entity: str, *, resync: bool = False) -> None:
         """Add ``entity`` now (no backpressure), waking a worker if it became ready."""
         if self._on_add is not None:
             self._on_add()
-        if self.work_queue.add(entity, self.now()) and self.dispatching and self._idle_workers:
+        if (
+            self.work_queue.add(entity, self.now(), resync=resync)
+            and self.dispatching
+            and self._idle_workers
+        ):
             _wake_one(self._idle_workers)
 
     # -- workers -----------------------------------------------------------------------
@@ -119,6 +135,8 @@ class DispatchQueue:
         taken = self.work_queue.get()
         if self._waiting_for_room:
             _wake_one(self._waiting_for_room)
+        if self._waiting_fresh:  # (woken for nothing when a resync entity was taken)
+            _wake_one(self._waiting_fresh)
         return taken
 
     def done_success(self, entity: str, requeue_after: float | None) -> None:

@@ -62,8 +62,9 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Self
 
@@ -79,8 +80,11 @@ from kopf_reconcile.api import (
 from kopf_reconcile.backoff import requeue_jitter
 from kopf_reconcile.config import LoopConfig
 from kopf_reconcile.control.holding import LeaseHolder
+from kopf_reconcile.dead_letters import DurableDeadLetters
 from kopf_reconcile.dispatch_queue import DispatchQueue
+from kopf_reconcile.events import EventRecorder, LoopEvents, bind_events
 from kopf_reconcile.fencing.protocol import (
+    DeadLetterStore,
     EpochRecordingRepository,
     LoopBoundRepository,
     StaleEpochError,
@@ -89,11 +93,12 @@ from kopf_reconcile.fencing.writer import bind_writer, mint_writer, unbind_write
 from kopf_reconcile.leader.protocol import FloorAwareElector, LeaseToken
 from kopf_reconcile.metrics import BoundMetrics
 from kopf_reconcile.tenancy import MalformedEntityId, Tenancy
-from kopf_reconcile.triggers import supervise
+from kopf_reconcile.triggers import Emitter, supervise
 
 logger = logging.getLogger("kopf_reconcile.loop")
 
 UNLED_CANCEL_WAIT = 1.0  # without a lease, how long stop() waits for cancelled reconciles
+HAND_OFF_POLL = 0.02  # how often a hand-off looks whether the reconciles in flight ended
 
 # The leases Loops of this process hold, by (elector, reconciler id): two Loops on
 # one elector and one id would both "hold" the same lease (same holder identity).
@@ -106,7 +111,7 @@ class LoopStats:
 
     queued: int  # entities ready to run, not yet taken by a worker
     in_flight: int  # reconciles running now
-    dead_letters: int  # entities dead-lettered and not re-triggered since
+    dead_letters: int  # dead-lettered, not re-triggered since (with a store: not yet succeeded)
     is_leader: bool
     epoch: int
 
@@ -114,9 +119,16 @@ class LoopStats:
 class Loop:
     """A running reconcile loop. Build it with :class:`~kopf_reconcile.Builder`."""
 
-    def __init__(self, config: LoopConfig) -> None:
-        """``config`` must have passed :meth:`LoopConfig.validate` (``Builder.build()`` does)."""
+    def __init__(
+        self, config: LoopConfig, *, may_acquire: Callable[[], bool] | None = None
+    ) -> None:
+        """``config`` must have passed :meth:`LoopConfig.validate` (``Builder.build()`` does).
+
+        ``may_acquire`` (a shard's balance, see :mod:`kopf_reconcile.sharded_loop`) is asked
+        before each attempt to acquire the lease; ``None``: always try.
+        """
         self._config = config
+        self._may_acquire = may_acquire
         self._name, self._reconciler_id = config.names()
         _, self._reconcile = as_reconcile_fn(config.reconciler)
         self._started = False
@@ -136,6 +148,8 @@ class Loop:
         self._metrics = BoundMetrics(None, self._name)
         self._metrics_enabled = False
         self._tenant_scoped = config.tenancy is Tenancy.TENANT_SCOPED
+        self._events: LoopEvents | None = None  # with an event sink (see kopf_reconcile.events)
+        self._durable: DurableDeadLetters | None = None  # with a DeadLetterStore repository
 
     # -- public surface --------------------------------------------------------
 
@@ -154,8 +168,8 @@ class Loop:
         return LoopStats(
             queued=queue.ready_count if queue is not None else 0,
             in_flight=len(self._running),
-            dead_letters=queue.dead_count if queue is not None else 0,
-            is_leader=self._holder.leading if self._holder else self._leading_without_elector,
+            dead_letters=self._dead_count(),
+            is_leader=self._is_leader(),
             epoch=self._epoch(),
         )
 
@@ -186,18 +200,29 @@ class Loop:
             depth=lambda: queue.ready_count if queue.dispatching else 0,
             backlog=lambda: 0 if queue.dispatching else queue.ready_count,
             in_flight=lambda: len(self._running),
-            dead=lambda: queue.dead_count,
+            dead=self._dead_count,
         )
         self._metrics.max_concurrent.set(cfg.concurrency)
+        if cfg.events is not None:
+            self._events = LoopEvents(EventRecorder(cfg.events), self._is_leader)
+        if cfg.leader is not None and isinstance(cfg.fenced_repo, DeadLetterStore):
+            self._durable = DurableDeadLetters(
+                cfg.fenced_repo,
+                name=self._name,
+                epoch=self._epoch,
+                redrive=queue.add,
+                interval=cfg.redrive_interval,
+            )
         self._metrics_enabled = cfg.metrics is not None
         if cfg.leader is not None and isinstance(cfg.fenced_repo, EpochRecordingRepository):
             self._recorder = cfg.fenced_repo
             if isinstance(cfg.leader, FloorAwareElector):
                 cfg.leader.use_epoch_floor(self._reconciler_id, self._recorder.highest_epoch)
                 self._floor_elector = cfg.leader
+        emitter = Emitter(self._emit, self._emit_resync)
         self._trigger_tasks = [
             asyncio.create_task(
-                supervise(trigger, self._emit, controller=self._name),
+                supervise(trigger, emitter, controller=self._name),
                 name=f"{self._name}: trigger {trigger!r}",
             )
             for trigger in cfg.triggers
@@ -218,6 +243,7 @@ class Loop:
                 on_lead=self._on_lead,
                 on_lose=self._on_lose,
                 confirm=self._confirm_epoch if self._recorder is not None else None,
+                may_acquire=self._may_acquire,
             )
             self._holder.start()
         logger.info(
@@ -254,6 +280,9 @@ class Loop:
                     )
                     self._cancel([task for task in workers if task in pending])
             self._queue.dispatching = False
+            # While the lease is still held: a dead letter written after the release
+            # would be refused (a peer may lead at a higher epoch by then).
+            await self._close_side_channels()
             if self._holder is not None:
                 # Stops counting as live first; releases only once no guarded work runs.
                 await self._holder.stop(set(self._running.values()))
@@ -285,6 +314,10 @@ class Loop:
             self._holder.abandon()
         self._leading_without_elector = False
         self._metrics.leader.set(0)
+        if self._durable is not None:
+            self._durable.lose()
+        if self._events is not None:
+            self._events.recorder.drop_pending()
         self._release_claims()
         self._stopped = True
         logger.warning(
@@ -349,14 +382,18 @@ class Loop:
 
     # -- intake ----------------------------------------------------------------
 
-    async def _emit(self, request: Request) -> None:
+    async def _emit(self, request: Request, *, resync: bool = False) -> None:
         if type(request) is not Request or type(request.entity_id) is not str:
             raise TypeError(
                 f"a trigger of loop {self._name!r} emitted {request!r}; "
                 "expected kopf_reconcile.Request(entity_id: str)"
             )
         assert self._queue is not None
-        await self._queue.put(request.entity_id)
+        await self._queue.put(request.entity_id, resync=resync)
+
+    async def _emit_resync(self, request: Request) -> None:
+        """A re-observation (the resync lane): fresh requests go first."""
+        await self._emit(request, resync=True)
 
     def _count_add(self) -> None:
         self._metrics.adds.inc()
@@ -380,6 +417,7 @@ class Loop:
         task = asyncio.current_task()
         assert task is not None and self._queue is not None
         queue = self._queue
+        bind_events(self._events)  # kr.event() inside this worker's reconciles
         while not self._stopping:
             if not queue.dispatching or not queue.ready_count:
                 if not self._running:
@@ -425,7 +463,9 @@ class Loop:
             if isinstance(exc, MalformedEntityId):
                 self._dead_letter(queue, entity, f"malformed entity id: {exc}")
             elif isinstance(exc, PermanentError):
-                self._dead_letter(queue, entity, f"permanent error: {exc!r}")
+                self._dead_letter(
+                    queue, entity, f"permanent error: {exc!r}", message=str(exc) or repr(exc)
+                )
             elif isinstance(exc, StaleEpochError):
                 self._fenced(queue, entity, exc)
             else:
@@ -466,6 +506,10 @@ class Loop:
             self._metrics.results["success"].inc()
             requeue_after = requeue_jitter(cfg.rng, cfg.interval) if cfg.default_requeue else None
         queue.done_success(entity, requeue_after)
+        if self._events is not None:
+            self._events.succeeded(entity)
+        if self._durable is not None:
+            self._durable.succeeded(entity)
 
     def _failed(self, queue: DispatchQueue, entity: str, exc: BaseException) -> None:
         delay = queue.done_error(entity)
@@ -473,6 +517,8 @@ class Loop:
         metrics.results["error"].inc()
         metrics.errors.inc()
         metrics.retries.inc()
+        if self._events is not None:
+            self._events.failed(entity, exc)
         logger.error(
             "reconcile of %r by %s failed; retrying in %.3fs: %r",
             entity,
@@ -483,9 +529,17 @@ class Loop:
             extra={"controller": self._name, "entity": entity},
         )
 
-    def _dead_letter(self, queue: DispatchQueue, entity: str, reason: str) -> None:
+    def _dead_letter(
+        self, queue: DispatchQueue, entity: str, reason: str, message: str | None = None
+    ) -> None:
+        """Dead-letter ``entity``: ``reason`` for the log, ``message`` (default: the reason)
+        for its Event and its durable dead letter."""
         queue.done_permanent(entity)
         self._metrics.results["permanent"].inc()
+        if self._events is not None:
+            self._events.dead_lettered(entity, message or reason)
+        if self._durable is not None:
+            self._durable.dead_lettered(entity, message or reason)
         logger.error(
             "entity %r of %s dead-lettered (no retry until a fresh trigger): %s",
             entity,
@@ -527,6 +581,27 @@ class Loop:
 
     def _epoch(self) -> int:
         return self._holder.epoch if self._holder is not None else 0
+
+    def _is_leader(self) -> bool:
+        return self._holder.leading if self._holder else self._leading_without_elector
+
+    def _dead_count(self) -> int:
+        """Dead letters in the queue, and those of the durable store not (yet) in it."""
+        queue = self._queue
+        if queue is None:
+            return 0
+        count = queue.dead_count
+        if self._durable is not None:
+            is_dead = queue.work_queue.is_dead
+            count += sum(1 for entity in self._durable.known if not is_dead(entity))
+        return count
+
+    async def _close_side_channels(self) -> None:
+        """Stop polling for redrives; let pending dead-letter writes and event posts end."""
+        if self._durable is not None:
+            await self._durable.close()
+        if self._events is not None:
+            await self._events.recorder.close()
 
     def _lease_is_live(self, epoch: int) -> bool:
         return self._holder is None or self._holder.is_live(epoch)
@@ -570,15 +645,59 @@ class Loop:
         assert self._queue is not None
         self._queue.open()
         self._queue.add(RESYNC_ALL)  # a new leader re-observes everything
+        if self._durable is not None:
+            self._durable.lead()  # the store's dead letters, then its redrive requests
         self._spawn_workers()
 
     def _on_lose(self) -> set[asyncio.Task[None]]:
         """Stop dispatching and cancel every reconcile; the ones still running are returned."""
         assert self._queue is not None
         self._queue.close_dispatch()  # a follower's triggers never wait for room
+        if self._durable is not None:
+            self._durable.lose()
+        if self._events is not None:
+            self._events.recorder.drop_pending()  # only the leader posts
         workers, self._workers = self._workers, {}
         self._cancel(workers)
         return {task for task in self._running.values() if not task.done()}
+
+    async def hand_off(self, grace: float) -> None:
+        """Give the lease up without overlap (a shard handed to another replica).
+
+        Dispatch stops first; the reconciles in flight may end within ``grace`` seconds
+        (the lease is renewed meanwhile); once none runs, the Loop steps down and the
+        control plane goes back to acquiring, as ``may_acquire`` allows. When one still
+        runs after the grace the hand-off is abandoned: dispatch reopens and the lease
+        is kept. Cancelling it instead would not stop a reconcile running in a thread,
+        and the next holder would then reconcile beside it; a hand-off is an
+        optimisation (balance), never worth an overlap. Nothing happens when the Loop
+        does not lead.
+        """
+        holder, queue = self._holder, self._queue
+        if holder is None or queue is None or not holder.leading or self._stopping:
+            return
+        queue.close_dispatch()
+        # The workers live on (idle); what must end is the reconciles they run. Polled:
+        # a hand-off is rare, and the hot path stays free of it.
+        deadline = queue.now() + grace
+        for _ in range(math.ceil(grace / HAND_OFF_POLL)):
+            if not self._running or not holder.leading or queue.now() >= deadline:
+                break
+            await asyncio.sleep(HAND_OFF_POLL)
+        if not holder.leading or self._stopping:
+            return
+        if self._running:
+            logger.info(
+                "%s keeps its lease: %d reconcile(s) still run after the %.1fs grace of a "
+                "hand-off; dispatch resumes",
+                self._name,
+                len(self._running),
+                grace,
+                extra={"controller": self._name},
+            )
+            queue.open()
+            return
+        holder.step_down_soon("handing the lease off to another replica")
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -6,6 +6,13 @@ loop's intake is full and never drops a request. Deduplication, delays and
 backoff live in the Loop, not in triggers. The Loop owns the trigger tasks:
 it starts each under :func:`supervise`, which restarts one that crashes (with
 backoff), and cancels them on stop, so a trigger cannot leak a task.
+
+Lanes. The ``emit`` a Loop hands its triggers is an :class:`Emitter`: besides
+``await emit(request)`` (fresh work: something changed) it offers
+``await emit.resync(request)`` for a re-observation of an entity nothing is known
+to have changed (a resync-all's fan-out). Resync requests wait in a lane of their
+own, behind fresh ones but never starved by them. :func:`resync_emit` picks
+``emit.resync`` when the ``emit`` given has it, and ``emit`` itself otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +25,26 @@ from typing import Protocol, runtime_checkable
 from kopf_reconcile.api import RESYNC_ALL, ConfigError, Duration, Request, positive_seconds
 
 Emit = Callable[[Request], Awaitable[None]]
+
+
+class Emitter:
+    """A Loop's ``emit``: call it for fresh work, ``.resync`` for re-observations."""
+
+    __slots__ = ("_fresh", "resync")
+
+    def __init__(self, fresh: Emit, resync: Emit) -> None:
+        self._fresh = fresh
+        self.resync = resync
+
+    def __call__(self, request: Request) -> Awaitable[None]:
+        return self._fresh(request)
+
+
+def resync_emit(emit: Emit) -> Emit:
+    """The low-priority (resync lane) variant of ``emit``, or ``emit`` when it has none."""
+    resync: Emit = emit.resync if isinstance(emit, Emitter) else emit
+    return resync
+
 
 # Supervision reports as part of the Loop that owns the trigger.
 logger = logging.getLogger("kopf_reconcile.loop")

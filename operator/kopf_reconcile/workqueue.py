@@ -3,7 +3,13 @@
 Pure data structure (no asyncio, no clock: callers pass ``now``, a monotonic
 time in seconds). It follows client-go's workqueue model:
 
-* **ready**: entities runnable now, FIFO, each at most once;
+* **ready**: entities runnable now, each at most once, in two FIFO lanes: the
+  **fresh** lane (triggers, timers, re-runs) and the **resync** lane
+  (re-observations of entities nothing changed, such as a new leader's
+  resync-all). Fresh entities go first, but at most ``fresh_burst`` of them in a
+  row while resync entities wait, so a resync is never starved. A fresh trigger
+  for an entity waiting in the resync lane moves it to the fresh lane; a resync
+  trigger for an entity already ready changes nothing;
 * **processing**: entities being reconciled; never handed out twice, so at
   most one reconcile per entity runs at a time across all workers;
 * **dirty**: entities triggered while processing; each gets exactly one
@@ -26,10 +32,16 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import random
 from collections import deque
 
 from kopf_reconcile.backoff import exponential_cap, full_jitter
+
+# While resync entities wait, at most this many fresh ones are handed out between two of
+# them: a fresh change never waits behind a whole resync, and however many fresh changes
+# arrive, the resync keeps at least 1/(1 + FRESH_BURST) of the hand-outs.
+FRESH_BURST = 8
 
 # Rebuild the heap once stale entries outnumber live ones by this factor, so
 # superseded timers cannot accumulate (amortised O(1) per push).
@@ -46,11 +58,29 @@ class _Backoff:
 class WorkQueue:
     """Deduplicating, delay-aware, per-entity-serialising work queue."""
 
-    def __init__(self, *, backoff_base: float, backoff_max: float, rng: random.Random) -> None:
+    def __init__(
+        self,
+        *,
+        backoff_base: float,
+        backoff_max: float,
+        rng: random.Random,
+        fresh_burst: int = FRESH_BURST,
+    ) -> None:
+        if fresh_burst < 1:
+            raise ValueError(f"fresh_burst must be >= 1, got {fresh_burst!r}")
         self._backoff_base = backoff_base
         self._backoff_max = backoff_max
         self._rng = rng
-        self._ready: deque[str] = deque()
+        self._fresh_burst = fresh_burst
+        self._fresh_run = 0  # fresh entities handed out in a row while resync ones waited
+        self._ready: deque[str] = deque()  # the fresh lane
+        # The resync lane: (ticket, entity) entries; an entry whose ticket is not the
+        # entity's in _in_resync is stale (the entity moved to the fresh lane or was
+        # forgotten) and is skipped when reached.
+        self._resync: deque[tuple[int, str]] = deque()
+        self._in_resync: dict[str, int] = {}
+        self._tickets = itertools.count()
+        self._resync_stale = 0
         self._ready_since: dict[str, float] = {}
         self._processing: set[str] = set()
         self._dirty: set[str] = set()
@@ -63,7 +93,12 @@ class WorkQueue:
 
     @property
     def ready_count(self) -> int:
-        return len(self._ready)
+        return len(self._ready_since)
+
+    @property
+    def resync_count(self) -> int:
+        """Ready entities waiting in the resync lane (included in ``ready_count``)."""
+        return len(self._in_resync)
 
     @property
     def delayed_count(self) -> int:
@@ -79,6 +114,10 @@ class WorkQueue:
 
     def is_ready(self, entity: str) -> bool:
         return entity in self._ready_since
+
+    def is_resync(self, entity: str) -> bool:
+        """Whether ``entity`` is ready in the resync lane."""
+        return entity in self._in_resync
 
     def is_processing(self, entity: str) -> bool:
         return entity in self._processing
@@ -96,8 +135,9 @@ class WorkQueue:
     def footprint(self) -> dict[str, int]:
         """Sizes of every internal structure (for boundedness tests and debugging)."""
         return {
-            "ready": len(self._ready),
+            "ready": len(self._ready) + len(self._in_resync),
             "ready_since": len(self._ready_since),
+            "resync_lane": len(self._resync),
             "processing": len(self._processing),
             "dirty": len(self._dirty),
             "due": len(self._due),
@@ -108,16 +148,29 @@ class WorkQueue:
 
     # -- triggers ------------------------------------------------------------
 
-    def add(self, entity: str, now: float) -> bool:
-        """A fresh trigger: run as soon as possible. True if the entity became ready."""
+    def add(self, entity: str, now: float, *, resync: bool = False) -> bool:
+        """A trigger: run as soon as possible. True if the entity became ready.
+
+        ``resync``: a re-observation of an entity nothing is known to have changed (the
+        resync lane); a fresh trigger for an entity waiting there moves it to the fresh
+        lane. Either kind marks an entity being processed dirty (its re-run is fresh).
+        """
         self._dead.discard(entity)
         self._drop_due(entity)  # an immediate trigger supersedes any pending delay
         if entity in self._processing:
             self._dirty.add(entity)
             return False
         if entity in self._ready_since:
+            if not resync and entity in self._in_resync:
+                self._leave_resync_lane(entity)
+                self._ready.append(entity)
             return False
-        self._ready.append(entity)
+        if resync:
+            ticket = next(self._tickets)
+            self._resync.append((ticket, entity))
+            self._in_resync[entity] = ticket
+        else:
+            self._ready.append(entity)
         self._ready_since[entity] = now
         return True
 
@@ -164,7 +217,7 @@ class WorkQueue:
 
     def get(self) -> tuple[str, float]:
         """Hand out the next ready entity (and when it became ready). Raises IndexError if none."""
-        entity = self._ready.popleft()
+        entity = self._next_ready()
         since = self._ready_since.pop(entity)
         self._processing.add(entity)
         return entity, since
@@ -214,7 +267,10 @@ class WorkQueue:
             raise ValueError(f"entity {entity!r} is being processed")
         if entity in self._ready_since:
             del self._ready_since[entity]
-            self._ready.remove(entity)
+            if entity in self._in_resync:
+                self._leave_resync_lane(entity)
+            else:
+                self._ready.remove(entity)
         self._drop_due(entity)
         self._backoff.pop(entity, None)
         self._dead.discard(entity)
@@ -227,6 +283,10 @@ class WorkQueue:
         """
         if not self._ready_since:
             self._ready_since = {}
+        if not self._in_resync:
+            self._in_resync = {}
+            self._resync = deque()
+            self._resync_stale = 0
         if not self._due:
             self._due = {}
             self._heap = []
@@ -240,6 +300,40 @@ class WorkQueue:
             self._dead = set()
 
     # -- internals -----------------------------------------------------------
+
+    def _next_ready(self) -> str:
+        """Pop the next ready entity: fresh first, a resync one after ``fresh_burst`` fresh."""
+        fresh, waiting = self._ready, self._in_resync
+        if fresh and (not waiting or self._fresh_run < self._fresh_burst):
+            self._fresh_run = self._fresh_run + 1 if waiting else 0
+            return fresh.popleft()
+        if not waiting:
+            raise IndexError("no entity is ready")
+        lane = self._resync
+        while True:
+            ticket, entity = lane.popleft()
+            if waiting.get(entity) == ticket:
+                self._fresh_run = 0
+                self._leave_resync_lane(entity, stale=False)
+                return entity
+            self._resync_stale -= 1
+
+    def _leave_resync_lane(self, entity: str, *, stale: bool = True) -> None:
+        """``entity`` is no longer ready in the resync lane; ``stale``: its entry stays there."""
+        del self._in_resync[entity]
+        if not self._in_resync:
+            self._resync.clear()  # only stale entries are left
+            self._resync_stale = 0
+        elif stale:
+            self._resync_stale += 1
+            if self._resync_stale > _COMPACT_MIN and self._resync_stale > len(self._in_resync):
+                self._compact_resync_lane()
+
+    def _compact_resync_lane(self) -> None:
+        """Drop stale entries (amortised O(1) per entry that became stale)."""
+        live = self._in_resync
+        self._resync = deque(entry for entry in self._resync if live.get(entry[1]) == entry[0])
+        self._resync_stale = 0
 
     def _finish(self, entity: str, now: float) -> None:
         self._processing.remove(entity)

@@ -44,6 +44,12 @@ def test_demo_runs_the_story_and_every_invariant_holds() -> None:
     assert "every invariant held" in output
     assert "REJECTED by the database" in output
     assert "$ kopf-reconcile leases" in output
+    # The malformed Device: a Warning DeadLettered Event, and a dead letter in PostgreSQL
+    # that both failovers kept.
+    assert int(summary_value(output, "dead-lettered events")) >= 1
+    assert int(summary_value(output, "dead letter attempts")) >= 1
+    assert re.search(r"Warning\s+DeadLettered\s+x\d+\s+Device default/device-malformed", output)
+    assert "$ kopf-reconcile dead-letters" in output and "$ kopf-reconcile status" in output
     workdir = re.search(r"workdir (\S+?)\)", output)
     assert workdir and not Path(workdir.group(1)).exists()
 

@@ -44,9 +44,22 @@ async def test_one_replica_reconciles_creates_updates_deletes_and_bad_specs(
     # The malformed Device is dead-lettered with a log line naming it; the operator goes on.
     line = await operator.printed("dead-lettered", f"'{devices.namespace}/toaster'")
     assert "spec.desired must be one of on, off, standby, got 'explode'" in line
+    # ... with a Warning Event on the Device, and its dead letter kept in PostgreSQL.
+    await eventually(lambda: _has_event(devices, "toaster", "Warning", "DeadLettered"), timeout=20)
+    database = {"KOPF_RECONCILE_DATABASE_URL": embedded_postgres_dsn}
+
+    async def dead_letter_listed() -> bool:
+        _, output = await operators.command("dead-letters", "-n", devices.namespace, env=database)
+        return f"{devices.namespace}/toaster" in output and "'explode'" in output
+
+    await eventually(dead_letter_listed, timeout=20, message="`dead-letters` lists the Device")
     await devices.set("lamp", "standby")
     await devices.set("toaster", "on")  # the fix is a fresh trigger: no longer dead
     await eventually(lambda: converged(devices, store, ["lamp", "toaster"]), timeout=20)
+    # The recovery is a Normal Event; the dead letter is cleared.
+    await eventually(lambda: _has_event(devices, "toaster", "Normal", "Reconciled"), timeout=20)
+    status, output = await operators.command("dead-letters", env=database)
+    assert status == 0 and "no dead letters" in output, output
 
     # DELETED reaches the reconciler, and cached() is None there: it writes a tombstone.
     await devices.delete("fan")
@@ -87,6 +100,17 @@ async def test_one_replica_reconciles_creates_updates_deletes_and_bad_specs(
     )
     assert status == 0, output
     assert "(released)" in next(line for line in output.splitlines() if RECONCILER_ID in line)
+
+
+async def _has_event(devices: Devices, name: str, kind: str, reason: str) -> bool:
+    async with devices.http.get(f"/api/v1/namespaces/{devices.namespace}/events") as response:
+        items = (await response.json())["items"]
+    return any(
+        e["involvedObject"].get("name") == name
+        and e["involvedObject"].get("kind") == "Device"
+        and (e["type"], e["reason"]) == (kind, reason)
+        for e in items
+    )
 
 
 async def _is_tombstone(store: Store, name: str) -> bool:

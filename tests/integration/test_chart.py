@@ -254,7 +254,9 @@ def test_rbac_namespaced_mode_reads_crds_and_namespaces_cluster_wide() -> None:
     scan = roles[("ClusterRole", "devices-ops-scan")]
     assert {r["resources"][0] for r in scan} == {"customresourcedefinitions", "namespaces"}
     watch = roles[("Role", "devices-watch")]
-    assert {"devices", "devices/status"} == {r["resources"][0] for r in watch}
+    assert {"devices", "devices/status", "events"} == {r["resources"][0] for r in watch}
+    events = next(r for r in watch if r["resources"] == ["events"])
+    assert events["verbs"] == ["list", "create", "patch"]
     assert not any(r["resources"] == ["devices"] and "patch" in r["verbs"] for r in watch)
 
 
@@ -570,7 +572,20 @@ async def device_converged(http: aiohttp.ClientSession, namespace: str, name: st
     return bool(status.get("observed") == body["spec"]["desired"] and status.get("epoch", 0) >= 1)
 
 
-async def create_device(http: aiohttp.ClientSession, namespace: str, name: str) -> None:
+async def device_events(
+    http: aiohttp.ClientSession, namespace: str, name: str, reason: str
+) -> list[dict[str, Any]]:
+    found = await api(http, "GET", f"/api/v1/namespaces/{namespace}/events")
+    return [
+        e
+        for e in found["items"]
+        if e["involvedObject"].get("name") == name and e["reason"] == reason
+    ]
+
+
+async def create_device(
+    http: aiohttp.ClientSession, namespace: str, name: str, desired: str = "on"
+) -> None:
     await api(
         http,
         "POST",
@@ -579,7 +594,7 @@ async def create_device(http: aiohttp.ClientSession, namespace: str, name: str) 
             "apiVersion": "example.com/v1",
             "kind": "Device",
             "metadata": {"name": name},
-            "spec": {"desired": "on"},
+            "spec": {"desired": desired},
         },
     )
 
@@ -615,6 +630,24 @@ async def test_operator_uses_every_permission_of_the_chart_and_no_other(
                 lambda: device_converged(http, ns, "device-1"),
                 timeout=60,
                 message="the Device converging",
+            )
+            # A malformed Device: a DeadLettered Event (create), then, failing again after
+            # a change, the same Event counted twice (patch).
+            await create_device(http, ns, "device-bad", desired="sideways")
+
+            async def dead_lettered(count: int) -> bool:
+                found = await device_events(http, ns, "device-bad", "DeadLettered")
+                return len(found) == 1 and found[0]["count"] == count
+
+            await eventually(lambda: dead_lettered(1), timeout=60, message="a DeadLettered Event")
+            async with http.patch(
+                f"/apis/example.com/v1/namespaces/{ns}/devices/device-bad",
+                json={"spec": {"desired": "upside-down"}},
+                headers={"Content-Type": "application/merge-patch+json"},
+            ) as response:
+                assert response.status == 200, await response.text()
+            await eventually(
+                lambda: dead_lettered(2), timeout=60, message="the DeadLettered Event, counted"
             )
             for process in (first, second):
                 await eventually(

@@ -121,9 +121,11 @@ class Deployment:
         parts = urlsplit(self.dsn)
         return f"postgresql://{parts.username or 'postgres'}@{NODE_IP}:{DATABASE_PORT}{parts.path}"
 
-    async def kubectl(self, *args: str) -> str:
+    async def kubectl(self, *args: str, stdin: str | None = None) -> str:
         argv = [str(BIN / "kubectl"), f"--kubeconfig={self.node.kubeconfig}", *args]
-        result = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True)
+        result = await asyncio.to_thread(
+            subprocess.run, argv, input=stdin, capture_output=True, text=True
+        )
         assert result.returncode == 0, f"{shlex.join(argv)}: {result.stderr}"
         return result.stdout
 
@@ -207,6 +209,21 @@ async def converged(deployment: Deployment, names: list[str], min_epoch: int = 1
     return set(names) <= done
 
 
+BROKEN_DEVICE = json.dumps({
+    "apiVersion": "example.com/v1", "kind": "Device",
+    "metadata": {"name": "broken"}, "spec": {"desired": "sideways"},
+})  # fmt: skip
+
+
+async def dead_lettered(deployment: Deployment, count: int) -> bool:
+    """Whether the broken Device has a DeadLettered Event counting at least ``count``."""
+    selector = "involvedObject.name=broken,reason=DeadLettered"
+    answer = await deployment.kubectl(
+        "get", "events", "-n", NAMESPACE, f"--field-selector={selector}", "-o", "json"
+    )
+    return any((e.get("count") or 1) >= count for e in json.loads(answer)["items"])
+
+
 async def assert_no_stale_write(deployment: Deployment) -> None:
     events = await audit.history(deployment.dsn)
     audit.assert_no_stale_writes(events)
@@ -264,6 +281,15 @@ async def test_installed_replicas_converge_devices_without_a_forbidden_request(
     names = [f"device-{i}" for i in range(DEVICES)]
     await create_devices(deployment, names)
     await eventually(lambda: converged(deployment, names), timeout=90, message="Devices converge")
+    # A malformed Device: dead-lettered, with a Warning Event on it; malformed again
+    # differently, the same Event counts it (the Event rules of the chart are used).
+    await deployment.kubectl("create", "-f", "-", "-n", NAMESPACE, stdin=BROKEN_DEVICE)
+    await eventually(lambda: dead_lettered(deployment, 1), timeout=60, message="an Event")
+    patch = '{"spec": {"desired": "upside-down"}}'
+    await deployment.kubectl(
+        "patch", "device", "broken", "-n", NAMESPACE, "--type=merge", "-p", patch
+    )
+    await eventually(lambda: dead_lettered(deployment, 2), timeout=60, message="counted twice")
     holder = (await deployment.lease())["holderIdentity"]
     assert pod_of(holder) in {p["metadata"]["name"] for p in pods}
     requests = operator_requests(deployment.node)

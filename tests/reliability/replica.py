@@ -44,6 +44,7 @@ import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
+from kopf_reconcile.sharded_loop import ShardedLoop
 from kopf_reconcile.testing.memory import MemoryFencedRepository
 
 WORK = "work"  # writes (fenced) every WRITE_EVERY seconds until cancelled
@@ -78,14 +79,21 @@ class PausingRepository:
         self.inner = inner
         self.armed = False
         self._report = report
+        self._root = self  # whose ``armed`` counts: a shard's is its sharded repository's
+
+    def for_shard(self, shard: int) -> PausingRepository:
+        """A shard's repository (``--shards``), paused by the same SIGUSR1."""
+        child = PausingRepository(self.inner.for_shard(shard), self._report)
+        child._root = self
+        return child
 
     def __getattr__(self, name: str) -> Any:  # bind_loop, highest_epoch: the Loop uses them
         return getattr(self.inner, name)
 
     async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
-        if not self.armed:
+        if not self._root.armed:
             return bool(await self.inner.apply_fenced(entity_id, epoch, mutation))
-        self.armed = False
+        self._root.armed = False
         self._report("pausing", entity=entity_id, epoch=epoch, mutation=mutation)
         # Frozen here, event loop included, until SIGCONT; nothing can run before the
         # write resumes, just as nothing runs during a long garbage-collection pause.
@@ -123,11 +131,17 @@ def make_reconcile(report: Reporter, work: bool) -> Any:
 
 async def report_leadership(loop: kr.Loop, report: Reporter) -> None:
     seen: tuple[bool, int] | None = None
+    shards: dict[str, int] | None = None
     while True:
         stats = loop.stats()
         if (stats.is_leader, stats.epoch) != seen:
             seen = (stats.is_leader, stats.epoch)
             report("leader" if stats.is_leader else "follower", epoch=stats.epoch)
+        if isinstance(loop, ShardedLoop):  # ``shards``: the shards held, with their epochs
+            held = {str(k): s.epoch for k, s in loop.shard_stats().items() if s.is_leader}
+            if held != shards:
+                shards = held
+                report("shards", held=held)
         await asyncio.sleep(STATUS_POLL)
 
 
@@ -152,6 +166,7 @@ async def run(args: argparse.Namespace) -> None:
         .with_reconciler_id(args.reconciler_id)
         .with_renew_interval(args.renew)
         .with_concurrency(3)  # the resync-all, work and wait
+        .with_shards(args.shards)
         .build()
     )
     stopping = asyncio.Event()
@@ -189,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-work", dest="work", action="store_false", help="no long-running reconcile"
     )
+    parser.add_argument("--shards", type=int, default=1, help="shards (needs --fence-dsn)")
     args = parser.parse_args(argv)
     if args.elector == "kubernetes" and not args.kubeconfig:
         parser.error("--elector kubernetes needs --kubeconfig")

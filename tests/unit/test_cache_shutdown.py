@@ -31,8 +31,8 @@ def body(name: str) -> dict[str, Any]:
 class WatchedCache(ObjectCache):
     """An ObjectCache that tells when the Loop has stopped running it."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self.trigger_ended = asyncio.Event()
 
     async def run(self, emit: Emit) -> None:

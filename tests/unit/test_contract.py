@@ -91,6 +91,9 @@ def test_builder_options() -> None:
         "with_intake_capacity",
         "with_stop_timeout",
         "with_random",
+        "with_shards",
+        "with_events",
+        "with_redrive_interval",
         "without_default_requeue",
         "build",
     }

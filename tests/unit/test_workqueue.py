@@ -206,21 +206,42 @@ def test_hundred_thousand_entities_through_failure_then_success_leave_nothing() 
 
 
 class WorkQueueMachine(RuleBasedStateMachine):
-    """Random interleavings of triggers, timers and worker outcomes."""
+    """Random interleavings of triggers (fresh and resync), timers and worker outcomes."""
 
     entities = st.sampled_from([f"e{i}" for i in range(5)])
+    BURST = 2
 
     def __init__(self) -> None:
         super().__init__()
-        self.q = WorkQueue(backoff_base=0.5, backoff_max=4, rng=random.Random(1))
+        self.q = WorkQueue(
+            backoff_base=0.5, backoff_max=4, rng=random.Random(1), fresh_burst=self.BURST
+        )
         self.now = 0.0
         self.processing: set[str] = set()
         self.pending: set[str] = set()  # triggered, not yet picked up by a run
+        self.fresh_run = 0  # fresh hand-outs in a row while resync entities waited
+        self.resync_order: list[str] = []  # the resync lane as the model sees it (FIFO)
 
     @rule(entity=entities)
     def trigger(self, entity: str) -> None:
+        was_resync = self.q.is_resync(entity)
         self.q.add(entity, self.now)
         self.pending.add(entity)
+        if was_resync:  # a fresh trigger moves it to the fresh lane
+            assert self.q.is_ready(entity) and not self.q.is_resync(entity)
+            self.resync_order.remove(entity)
+
+    @rule(entity=entities)
+    def trigger_resync(self, entity: str) -> None:
+        was_ready = self.q.is_ready(entity)
+        was_resync = self.q.is_resync(entity)
+        self.q.add(entity, self.now, resync=True)
+        self.pending.add(entity)
+        if was_ready:  # already ready: stays in its lane, once
+            assert self.q.is_resync(entity) == was_resync
+        elif not self.q.is_processing(entity):
+            assert self.q.is_resync(entity)
+            self.resync_order.append(entity)
 
     @rule(entity=entities, delay=st.floats(0.01, 5))
     def trigger_later(self, entity: str, delay: float) -> None:
@@ -229,13 +250,28 @@ class WorkQueueMachine(RuleBasedStateMachine):
     @rule(step=st.floats(0, 3))
     def time_passes(self, step: float) -> None:
         self.now += step
-        self.q.pop_due(self.now)
+        self.q.pop_due(self.now)  # due entities join the fresh lane
 
     @precondition(lambda self: self.q.ready_count > 0)
     @rule()
     def worker_takes(self) -> None:
+        fresh_ready = self.q.ready_count - self.q.resync_count
+        resync_waiting = self.q.resync_count
         entity, _ = self.q.get()
         assert entity not in self.processing, "two concurrent reconciles of one entity"
+        took_resync = bool(self.resync_order) and entity == self.resync_order[0]
+        if entity in self.resync_order:
+            assert took_resync, "the resync lane is not FIFO"
+            self.resync_order.pop(0)
+        if took_resync:
+            if fresh_ready:  # a fresh entity was passed over: only after a full burst
+                assert self.fresh_run == self.BURST, "a resync entity went before fresh ones"
+            self.fresh_run = 0
+        elif resync_waiting:
+            assert self.fresh_run < self.BURST, "the resync lane is starved"
+            self.fresh_run += 1
+        else:
+            self.fresh_run = 0
         self.processing.add(entity)
         self.pending.discard(entity)
 
@@ -259,6 +295,11 @@ class WorkQueueMachine(RuleBasedStateMachine):
             self.q.done_requeue(entity, self.now)
         if entity in self.pending:
             assert self.q.is_ready(entity), "a trigger during processing was lost"
+
+    @invariant()
+    def the_model_lane_matches(self) -> None:
+        assert self.q.resync_count == len(self.resync_order)
+        assert all(self.q.is_resync(e) for e in self.resync_order)
 
     @invariant()
     def no_trigger_is_lost(self) -> None:
@@ -330,3 +371,86 @@ def test_trim_gives_back_the_capacity_of_emptied_tables() -> None:
     q.trim()
     for table in (q._ready_since, q._due, q._backoff):
         assert sys.getsizeof(table) == empty
+
+
+# -- lanes: fresh work before a resync, without starving it ---------------------------------
+
+
+def test_a_fresh_trigger_goes_before_a_queued_resync() -> None:
+    q = make()
+    for i in range(1000):
+        q.add(f"r{i}", 0, resync=True)
+    q.add("fresh", 1)
+    assert q.get()[0] == "fresh"
+    assert q.ready_count == 1000 and q.resync_count == 1000
+
+
+def test_a_fresh_trigger_upgrades_an_entity_waiting_in_the_resync_lane() -> None:
+    q = make()
+    for i in range(10):
+        q.add(f"e{i}", 0, resync=True)
+    assert q.add("e7", 1) is False  # already ready: not a second entry
+    assert not q.is_resync("e7") and q.is_ready("e7")
+    assert q.get() == ("e7", 0)  # keeps the time it became ready
+    order = [q.get()[0] for _ in range(q.ready_count)]
+    assert order == [f"e{i}" for i in range(10) if i != 7]
+    assert q.footprint()["resync_lane"] == 0
+
+
+def test_a_resync_trigger_never_downgrades_a_fresh_entity() -> None:
+    q = make()
+    q.add("r", 0, resync=True)
+    q.add("f", 0)
+    q.add("f", 1, resync=True)
+    assert not q.is_resync("f")
+    assert q.get()[0] == "f"
+
+
+def test_a_stream_of_fresh_triggers_cannot_starve_the_resync_lane() -> None:
+    q = WorkQueue(backoff_base=1, backoff_max=1, rng=MaxJitter(), fresh_burst=4)
+    for i in range(100):
+        q.add(f"r{i}", 0, resync=True)
+    taken: list[str] = []
+    n = 0
+    while q.resync_count:
+        for _ in range(3):  # fresh work arrives faster than it is served
+            q.add(f"f{n}", 0)
+            n += 1
+        entity, _ = q.get()
+        taken.append(entity)
+        q.done_success(entity, 0, None)
+    # Exactly one resync entity after every four fresh ones.
+    assert len(taken) == 500
+    assert [e for e in taken[4::5]] == [f"r{i}" for i in range(100)]
+
+
+def test_a_resync_trigger_during_a_reconcile_marks_it_dirty() -> None:
+    q = make()
+    q.add("e", 0)
+    q.get()
+    q.add("e", 0, resync=True)
+    q.done_success("e", 1, None)
+    assert q.is_ready("e")
+
+
+def test_stale_resync_entries_are_compacted() -> None:
+    q = make()
+    n = 50_000
+    for i in range(n):
+        q.add(f"e{i}", 0, resync=True)
+    for i in range(n - 10):
+        q.add(f"e{i}", 1)  # upgraded: their resync entries are stale
+    assert q.footprint()["resync_lane"] <= 2 * 10 + 1100
+    while q.ready_count:
+        entity, _ = q.get()
+        q.done_success(entity, 2, None)
+    assert q.footprint() == dict.fromkeys(q.footprint(), 0)
+
+
+def test_forgetting_an_entity_of_the_resync_lane() -> None:
+    q = make()
+    q.add("a", 0, resync=True)
+    q.add("b", 0, resync=True)
+    q.forget("a")
+    assert q.ready_count == 1 and q.get()[0] == "b"
+    assert q.footprint()["resync_lane"] == 0

@@ -6,7 +6,9 @@ over one lease.)
 A :class:`LeaseHolder` drives one :class:`LeaderElector` for one reconciler
 id and tells its owner (the Loop) when it starts and stops leading:
 
-* acquire, retried every ``renew_interval`` (jittered by a factor of 1 to 1.2, as client-go),
+* acquire (when the optional ``may_acquire`` gate allows: a shard's balance, see
+  :mod:`kopf_reconcile.control.balance`; the gate can only withhold an attempt),
+  retried every ``renew_interval`` (jittered by a factor of 1 to 1.2, as client-go),
   or sooner when the elector says when the holder's lease runs out, each
   attempt bounded by the renew deadline, so a hung API cannot keep a replica a
   follower forever;
@@ -87,6 +89,7 @@ class LeaseHolder:
         on_lead: Callable[[LeaseToken], None],
         on_lose: Callable[[], set[asyncio.Task[None]]],
         confirm: Callable[[LeaseToken], Awaitable[None]] | None = None,
+        may_acquire: Callable[[], bool] | None = None,
     ) -> None:
         self._elector = elector
         self._reconciler_id = reconciler_id
@@ -99,6 +102,8 @@ class LeaseHolder:
         self._on_lead = on_lead
         self._on_lose = on_lose
         self._confirm = confirm
+        # Asked before each acquire attempt (a shard's balance); None: always try.
+        self._may_acquire = may_acquire
         self._clock = asyncio.get_running_loop().time
         self._token: LeaseToken | None = None
         self._leading = False
@@ -176,6 +181,10 @@ class LeaseHolder:
 
     async def _run(self) -> None:
         while not self._stopping:
+            if self._may_acquire is not None and not self._may_acquire():
+                jitter = self._rng.uniform(1.0, ACQUIRE_RETRY_JITTER)
+                await asyncio.sleep(self._renew_interval * jitter)
+                continue
             sent = self._clock()
             self._acquiring = True
             retry_after: float | None = None

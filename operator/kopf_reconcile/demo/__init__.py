@@ -63,6 +63,10 @@ def summary_lines(summary: Summary) -> list[str]:
         ("stale writes accepted", summary.stale_accepted,
          "must be 0 (none below an epoch that led the scope)"),
         ("lost updates", summary.lost_updates, "must be 0"),
+        ("dead-lettered events", summary.dead_lettered_events,
+         "the malformed Device's Warning DeadLettered Event (its count)"),
+        ("dead letter attempts", summary.dead_letter_attempts,
+         "its dead letter in PostgreSQL after both failovers (must be >= 1)"),
     ]  # fmt: skip
     lines = format_table(("", "value", "note"), rows)
     verdict = "every invariant held" if summary.ok() else "AN INVARIANT WAS BROKEN"

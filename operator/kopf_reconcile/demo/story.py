@@ -3,7 +3,9 @@
 1. Start an embedded cluster, an embedded PostgreSQL and N replicas of the
    example operator (``kopf-reconcile run operator/examples/devices.py``), with
    Kubernetes Lease leader election and fenced writes.
-2. Create the Devices and watch them converge.
+2. Create the Devices and watch them converge; one more Device is malformed
+   (``spec.desired: sideways``): its reconcile raises PermanentError, so it gets a
+   Warning ``DeadLettered`` Event and a dead letter in PostgreSQL.
 3. SIGKILL the leader while Devices change: a follower takes over after the
    lease expires (epoch + 1) and converges them.
 4. SIGSTOP the new leader in the middle of its work, past its lease: a third
@@ -15,7 +17,9 @@
    latest spec: no lost update), and the database's own audit
    (:mod:`kopf_reconcile.testing.audit`) shows no stale write accepted: none
    applied at an epoch below one that had already led the scope, whichever
-   Device it targets, nor below one its own Device had already seen.
+   Device it targets, nor below one its own Device had already seen. The
+   malformed Device's dead letter is still in PostgreSQL after both failovers
+   (each new leader loaded it, and counted it again when its resync retried it).
 
 Nothing here is staged: the numbers come from the replicas' /metrics, the
 database and the API server.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -51,6 +56,7 @@ NAMESPACE = "default"
 CONTROLLER = "reconcile_device"  # the reconciler's name: the metrics' controller label
 SCOPE = "devices.example.com-reconcile-device"  # its reconciler id: lease name, fence scope
 STATES = ("on", "off", "standby")
+MALFORMED = "device-malformed"  # spec.desired outside STATES: dead-lettered
 CONVERGE_TIMEOUT = 90.0
 POLL = 0.2
 
@@ -82,6 +88,10 @@ class Summary:
     stale_accepted: int = 0
     lost_updates: int = 0
     direct_write_rejected: bool = False
+    # The malformed Device: its DeadLettered Event's count, and its dead letter's
+    # attempts in PostgreSQL after both failovers (0: gone).
+    dead_lettered_events: int = 0
+    dead_letter_attempts: int = 0
 
     def ok(self) -> bool:
         return (
@@ -90,6 +100,8 @@ class Summary:
             and self.stale_accepted == 0
             and len(self.failovers) == 2
             and self.direct_write_rejected
+            and self.dead_lettered_events >= 1
+            and self.dead_letter_attempts >= 1
         )
 
 
@@ -122,10 +134,12 @@ class Demo:
             try:
                 await self._start()
                 await self._create_devices()
+                await self._malformed_device()
                 await self._kill_the_leader()
                 await self._pause_the_leader()
                 await self._verify()
                 await self._show_leases()
+                await self._show_dead_letters()
             finally:
                 if self._api is not None:
                     await self._api.close()
@@ -191,6 +205,63 @@ class Demo:
         self.view.note(f"created {len(names)} Devices")
         await self._until_converged("converging")
         self.view.note(f"all {len(names)} Devices converged in {time.monotonic() - started:.1f}s")
+
+    async def _malformed_device(self) -> None:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "Device",
+            "metadata": {"name": MALFORMED},
+            "spec": {"desired": "sideways"},
+        }
+        api = client.CustomObjectsApi(self._api)
+        await api.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+        self.view.note(f"created {MALFORMED} with spec.desired 'sideways' (not a power state)")
+        events: list[Any] = []
+
+        async def dead_lettered() -> bool:
+            events[:] = await self._events_of(MALFORMED)
+            return any(e.reason == "DeadLettered" for e in events)
+
+        await self._until_async(dead_lettered, f"a DeadLettered Event on {MALFORMED}", 30)
+        self.summary.dead_lettered_events = max(
+            e.count or 1 for e in events if e.reason == "DeadLettered"
+        )
+        self.view.block(
+            f"$ kubectl describe device {MALFORMED}   (its Events)",
+            [f"{e.type:<8} {e.reason:<13} x{e.count or 1:<3} {e.message}" for e in events],
+        )
+        await self._until_async(self._dead_letters, "its dead letter in PostgreSQL", 30)
+        out = await _output(sys.executable, "-m", "kopf_reconcile", "dead-letters",
+                            env={"KOPF_RECONCILE_DATABASE_URL": self.stack.dsn})  # fmt: skip
+        self.view.block("$ kopf-reconcile dead-letters", out.splitlines())
+
+    async def _events_of(self, name: str) -> list[Any]:
+        listing = await client.CoreV1Api(self._api).list_namespaced_event(NAMESPACE)
+        return [e for e in listing.items if e.involved_object.name == name]
+
+    async def _dead_letters(self) -> int:
+        """The attempts of the malformed Device's dead letter in PostgreSQL (0: none)."""
+        async with PostgresFencedRepository(self.stack.dsn, scope=SCOPE) as repository:
+            letters = await repository.list_dead_letters(scope=SCOPE)
+        return sum(d.attempts for d in letters if d.entity_id == f"{NAMESPACE}/{MALFORMED}")
+
+    async def _show_dead_letters(self) -> None:
+        self.summary.dead_letter_attempts = await self._dead_letters()
+        env = {"KOPF_RECONCILE_DATABASE_URL": self.stack.dsn}
+        out = await _output(sys.executable, "-m", "kopf_reconcile", "dead-letters", env=env)
+        self.view.block(
+            "$ kopf-reconcile dead-letters   (after two failovers: each new leader knew it)",
+            out.splitlines(),
+        )
+        out = await _output(sys.executable, "-m", "kopf_reconcile", "status",
+                            f"--kubeconfig={self.stack.kubeconfig}", "-n", NAMESPACE,
+                            env=env)  # fmt: skip
+        self.view.block(f"$ kopf-reconcile status -n {NAMESPACE}", out.splitlines())
+        events = await self._events_of(MALFORMED)
+        self.view.block(
+            f"$ kubectl describe device {MALFORMED}   (its Events, aggregated)",
+            [f"{e.type:<8} {e.reason:<13} x{e.count or 1:<3} {e.message}" for e in events],
+        )
 
     async def _kill_the_leader(self) -> None:
         leader = self._leader()
@@ -388,9 +459,12 @@ class Demo:
             await asyncio.sleep(POLL)
 
 
-async def _output(*command: str) -> str:
+async def _output(*command: str, env: dict[str, str] | None = None) -> str:
     process = await asyncio.create_subprocess_exec(
-        *command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        *command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=None if env is None else {**os.environ, **env},
     )
     out, _ = await process.communicate()
     return out.decode(errors="replace").rstrip()

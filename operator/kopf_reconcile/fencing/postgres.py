@@ -13,6 +13,17 @@ one atomic protocol.)
   it (recorded by the Loop before it dispatches, :meth:`record_epoch`), and
   the reconciler whose lease numbers that scope's epochs.
 
+and, beside them, for operating the operator:
+
+* ``<table>_dead_letters``: the dead letters of each scope (the
+  :class:`~kopf_reconcile.fencing.protocol.DeadLetterStore` protocol, used by the
+  Loop's :mod:`~kopf_reconcile.dead_letters`), written and cleared under the same
+  fence as a document write;
+* ``<table>_redrives``: redrive requests (``kopf-reconcile redrive``), taken by the
+  scope's leader only (the take is fenced too);
+* ``<table>_leaders``: each epoch that led each scope, when, and which epoch led
+  before it (kept a day), for ``kopf-reconcile status``'s failovers in the last hour.
+
 A write carrying ``epoch`` is applied only when ``epoch >= last_epoch`` of
 its entity **and** ``epoch >=`` the epoch recorded for its scope, and then
 advances ``last_epoch``. So a zombie leader that wakes up after one or more
@@ -77,6 +88,7 @@ stored with each row comes from the Loop's
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 from collections.abc import Mapping
@@ -87,7 +99,7 @@ import asyncpg
 from kopf_reconcile.api import ConfigError, Duration, positive_seconds
 from kopf_reconcile.closing import AsyncClosing
 from kopf_reconcile.database import Database, qualified_table
-from kopf_reconcile.fencing.protocol import StaleEpochError
+from kopf_reconcile.fencing.protocol import DeadLetter, StaleEpochError
 from kopf_reconcile.tenancy import Tenancy
 
 __all__ = ["DEFAULT_FENCE_TABLE", "DEFAULT_SCOPE", "PostgresFencedRepository"]
@@ -99,6 +111,8 @@ DEFAULT_STATEMENT_TIMEOUT = 30.0  # one statement of a fenced write, the user's 
 DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT = 10.0  # a silent client's transaction is aborted then
 DEFAULT_WRITE_TIMEOUT = 30.0  # one apply_fenced call, end to end
 _MAX_EPOCH = 2**63 - 1  # bigint
+MAX_REASON = 4096  # characters of a dead letter's reason kept
+LEADER_HISTORY = "1 day"  # how long the leadership changes of a scope are kept
 _STILL_VALID = "SELECT 1"  # fails (InFailedSQLTransactionError) in an aborted transaction
 # Compact, and strict: PostgreSQL's jsonb rejects NaN and Infinity.
 _JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
@@ -145,12 +159,74 @@ class PostgresFencedRepository(AsyncClosing):
         }
         # The epochs that led each scope, recorded before they write (see record_epoch).
         self._epochs = qualified_table("table", f"{table}_epochs")
+        # Durable dead letters, redrive requests and the leadership changes of each scope.
+        self._dead = qualified_table("table", f"{table}_dead_letters")
+        self._redrives = qualified_table("table", f"{table}_redrives")
+        self._leaders = qualified_table("table", f"{table}_leaders")
         self._database = Database(
             dsn_or_pool,
             table=self._table,
-            schema=[_schema(self._table), *_epochs_schema(self._epochs)],
+            schema=[
+                _schema(self._table),
+                *_epochs_schema(self._epochs),
+                *_side_tables_schema(self._dead, self._redrives, self._leaders),
+            ],
             server_settings=self._settings,
         )
+        led = f"WITH led AS (SELECT epoch FROM {self._epochs} WHERE scope = $1 FOR SHARE)"
+        # Dead letters are fenced as writes are: below the scope's epoch, nothing changes.
+        self._dead_record_sql = f"""
+            {led}
+            INSERT INTO {self._dead} AS dead
+                (scope, entity_id, tenant, reason, first_at, last_at, attempts, epoch)
+            SELECT $1, $2, $3, $4, now(), now(), 1, $5
+             WHERE $5 >= coalesce((SELECT epoch FROM led), 0)
+            ON CONFLICT (scope, entity_id) DO UPDATE
+               SET reason = EXCLUDED.reason, last_at = EXCLUDED.last_at,
+                   attempts = dead.attempts + 1, epoch = EXCLUDED.epoch
+             WHERE dead.epoch <= $5
+            RETURNING true
+        """
+        self._dead_clear_sql = f"""
+            {led}, cleared AS (
+                DELETE FROM {self._dead} WHERE scope = $1 AND entity_id = $2
+                   AND $3 >= coalesce((SELECT epoch FROM led), 0) RETURNING 1)
+            SELECT $3 >= coalesce((SELECT epoch FROM led), 0)
+        """
+        self._take_redrives_sql = f"""
+            {led}
+            DELETE FROM {self._redrives}
+             WHERE scope = $1 AND $2 >= coalesce((SELECT epoch FROM led), 0)
+            RETURNING entity_id
+        """
+        self._dead_list_sql = f"""
+            SELECT scope, entity_id, reason, first_at, last_at, attempts, epoch
+              FROM {self._dead}
+             WHERE ($1::text IS NULL OR scope = $1)
+               AND ($2::text IS NULL OR starts_with(entity_id, $2 || '/'))
+             ORDER BY scope, entity_id
+        """
+        self._redrive_sql = f"""
+            INSERT INTO {self._redrives} (scope, entity_id)
+            SELECT scope, entity_id FROM {self._dead}
+             WHERE ($1::text IS NULL OR entity_id = $1) AND ($2::text IS NULL OR scope = $2)
+            ON CONFLICT (scope, entity_id) DO UPDATE SET requested_at = now()
+            RETURNING entity_id
+        """
+        self._led_sql = f"""
+            INSERT INTO {self._leaders} (scope, epoch, holder, previous) VALUES ($1, $2, $3, $4)
+            ON CONFLICT (scope, epoch) DO NOTHING
+        """
+        self._led_before_sql = f"SELECT epoch FROM {self._epochs} WHERE scope = $1"
+        self._prune_leaders_sql = (
+            f"DELETE FROM {self._leaders} WHERE scope = $1 "
+            f"AND led_at < now() - interval '{LEADER_HISTORY}'"
+        )
+        self._changes_sql = f"""
+            SELECT scope, count(*) FROM {self._leaders}
+             WHERE led_at > now() - make_interval(secs => $1) AND previous > 0
+             GROUP BY scope
+        """
         self._scopes_ready: set[str] = set()
         # The fence check and advance. The CTE share-locks the scope's epoch row
         # until commit (ordering this write with any recording of a new epoch) and
@@ -233,6 +309,57 @@ class PostgresFencedRepository(AsyncClosing):
         if self._explicit_scope is None:
             self._scope = reconciler_id
 
+    def for_shard(self, shard: int) -> PostgresFencedRepository:
+        """A repository on the same table and pool for shard ``shard`` of a sharded reconciler.
+
+        Unbound; bound to the shard's Loop, its scope is that Loop's reconciler id
+        (``<reconciler id>-shard-<k>``), or ``<explicit scope>-shard-<k>``. It shares this
+        repository's pool: close this one (not the shards') when done.
+        """
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0:
+            raise ConfigError(f"shard must be an integer >= 0, got {shard!r}")
+        sibling = copy.copy(self)
+        explicit = self._explicit_scope
+        sibling._explicit_scope = None if explicit is None else f"{explicit}-shard-{shard}"
+        sibling._scope = sibling._explicit_scope or DEFAULT_SCOPE
+        sibling._bound_to = None
+        sibling._tenancy = Tenancy.SINGLE_TENANT
+        sibling._scopes_ready = set()
+        return sibling
+
+    async def record_shard_count(self, shards: int, *, by_namespace: bool = False) -> None:
+        """Record in this scope that its entities are fenced in ``shards`` shard scopes.
+
+        The scope's epochs row then names the lease ``<reconciler id>/shards=<N>`` (with
+        ``/by-namespace`` when entities are sharded by namespace): an
+        unsharded leader of the scope (whose lease is the reconciler id) and a
+        reconciler with another shard count are refused, and so is this one when the
+        scope was led unsharded or with another count (a
+        :class:`~kopf_reconcile.ConfigError`): one entity must never be fenced in two
+        scopes by two unrelated leases.
+        """
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 2:
+            raise ConfigError(f"shards must be an integer >= 2, got {shards!r}")
+        base = self._bound_to[0] if self._bound_to is not None else self._scope
+        lease = f"{base}/shards={shards}" + ("/by-namespace" if by_namespace else "")
+        pool = await self._ready_pool()
+        async with pool.acquire() as connection, connection.transaction():
+            await self._bound_transaction(connection)
+            row = await connection.fetchrow(self._record_sql, self._scope, 0, lease, "shards")
+            owner = (
+                None
+                if row is not None
+                else await connection.fetchval(self._scope_lease_sql, self._scope)
+            )
+        if row is None:
+            raise ConfigError(
+                f"fenced scope {self._scope!r} of {self._table} is recorded for lease "
+                f"{owner!r}, not {lease!r}: the shard layout changed (or the scope was led "
+                f"unsharded). Changing it is a migration: stop every replica of the old "
+                f"count, then delete the scope's row from {self._epochs} (the shard scopes' "
+                f"rows stay); no online reshard exists yet"
+            )
+
     @property
     def scope(self) -> str:
         """The scope rows are keyed by (with the entity id)."""
@@ -314,12 +441,17 @@ class PostgresFencedRepository(AsyncClosing):
         pool = await self._ready_pool()
         async with pool.acquire() as connection, connection.transaction():
             await self._bound_transaction(connection)
+            before = await connection.fetchval(self._led_before_sql, self._scope)
             row = await connection.fetchrow(self._record_sql, self._scope, epoch, lease, holder)
             owner = (
                 None
                 if row is not None
                 else await connection.fetchval(self._scope_lease_sql, self._scope)
             )
+            if row is not None and int(row["epoch"]) == epoch and row["holder"] == holder:
+                # The scope's leadership history (for `kopf-reconcile status`).
+                await connection.execute(self._led_sql, self._scope, epoch, holder, before or 0)
+                await connection.execute(self._prune_leaders_sql, self._scope)
         if row is None:
             raise ConfigError(
                 f"fenced scope {self._scope!r} of {self._table} is numbered by the lease of "
@@ -336,6 +468,90 @@ class PostgresFencedRepository(AsyncClosing):
                 f"epoch {epoch} of fenced scope {self._scope!r} was already led by "
                 f"{row['holder']!r}, not {holder!r}: its lease record was lost and recreated"
             )
+
+    # -- dead letters (the DeadLetterStore protocol) ------------------------------
+
+    async def record_dead_letter(self, entity_id: str, epoch: int, reason: str) -> bool:
+        """Record (or count once more) a dead letter; ``False`` for a stale epoch."""
+        tenant = self._tenant_of(entity_id)
+        _check_epoch(epoch)
+        reason = reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 1] + "…"
+        async with asyncio.timeout(self._write_timeout):
+            pool = await self._ready_pool()
+            done = await pool.fetchval(
+                self._dead_record_sql, self._scope, entity_id, tenant, reason, epoch
+            )
+        return done is not None
+
+    async def clear_dead_letter(self, entity_id: str, epoch: int) -> bool:
+        """Forget the dead letter of ``entity_id`` (it succeeded); ``False`` for a stale epoch."""
+        self._tenant_of(entity_id)
+        _check_epoch(epoch)
+        async with asyncio.timeout(self._write_timeout):
+            pool = await self._ready_pool()
+            return bool(await pool.fetchval(self._dead_clear_sql, self._scope, entity_id, epoch))
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """This scope's dead letters."""
+        await self._ready_pool()  # the tables, as a writer needs them
+        return await self.list_dead_letters(scope=self._scope)
+
+    async def take_redrives(self, epoch: int) -> list[str]:
+        """Consume this scope's redrive requests; nothing for a stale epoch."""
+        _check_epoch(epoch)
+        async with asyncio.timeout(self._write_timeout):
+            pool = await self._ready_pool()
+            rows = await pool.fetch(self._take_redrives_sql, self._scope, epoch)
+        return sorted(row["entity_id"] for row in rows)
+
+    # -- for operators of the operator (kopf-reconcile dead-letters, redrive, status) --
+
+    async def list_dead_letters(
+        self, *, scope: str | None = None, namespace: str | None = None
+    ) -> list[DeadLetter]:
+        """Dead letters of every scope (or of ``scope``), of one namespace's entities if given.
+
+        Creates nothing: without the tables there is no dead letter.
+        """
+        pool = await self._database.existing_pool()
+        try:
+            rows = await pool.fetch(self._dead_list_sql, scope, namespace)
+        except asyncpg.UndefinedTableError:
+            return []
+        return [
+            DeadLetter(
+                reconciler_id=row["scope"],
+                entity_id=row["entity_id"],
+                reason=row["reason"],
+                first_at=row["first_at"],
+                last_at=row["last_at"],
+                attempts=int(row["attempts"]),
+                epoch=int(row["epoch"]),
+            )
+            for row in rows
+        ]
+
+    async def request_redrive(
+        self, entity_id: str | None = None, *, scope: str | None = None
+    ) -> list[str]:
+        """Ask the leaders to retry dead-lettered entities: ``entity_id``, or all of them
+        (of ``scope`` if given). The entities asked for; the leaders take the requests."""
+        pool = await self._database.existing_pool()
+        try:
+            rows = await pool.fetch(self._redrive_sql, entity_id, scope)
+        except asyncpg.UndefinedTableError:
+            return []
+        return sorted(row["entity_id"] for row in rows)
+
+    async def leadership_changes(self, within: float = 3600.0) -> dict[str, int]:
+        """Per scope, failovers within the last ``within`` seconds (database clock): epochs
+        that started leading after another one had (a scope's first leader is none)."""
+        pool = await self._database.existing_pool()
+        try:
+            rows = await pool.fetch(self._changes_sql, float(within))
+        except asyncpg.UndefinedTableError:
+            return {}
+        return {row["scope"]: int(row["count"]) for row in rows}
 
     # -- readers -------------------------------------------------------------
 
@@ -440,6 +656,42 @@ def _epochs_schema(table: str) -> list[str]:
                                     ADD COLUMN IF NOT EXISTS holder text;
             END IF;
         END $$
+        """,
+    ]
+
+
+def _side_tables_schema(dead: str, redrives: str, leaders: str) -> list[str]:
+    return [
+        f"""
+        CREATE TABLE IF NOT EXISTS {dead} (
+            scope     text        NOT NULL,
+            entity_id text        NOT NULL,
+            tenant    text        NOT NULL,
+            reason    text        NOT NULL,
+            first_at  timestamptz NOT NULL,
+            last_at   timestamptz NOT NULL,
+            attempts  bigint      NOT NULL,
+            epoch     bigint      NOT NULL,
+            PRIMARY KEY (scope, entity_id)
+        )
+        """,
+        f"""
+        CREATE TABLE IF NOT EXISTS {redrives} (
+            scope        text        NOT NULL,
+            entity_id    text        NOT NULL,
+            requested_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (scope, entity_id)
+        )
+        """,
+        f"""
+        CREATE TABLE IF NOT EXISTS {leaders} (
+            scope  text        NOT NULL,
+            epoch  bigint      NOT NULL,
+            holder text,
+            previous bigint   NOT NULL DEFAULT 0,  -- the epoch that led before (0: none)
+            led_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (scope, epoch)
+        )
         """,
     ]
 

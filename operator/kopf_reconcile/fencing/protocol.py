@@ -20,6 +20,8 @@ paused old leader write to an entity the new leader has not touched.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 from typing import Protocol, runtime_checkable
 
 from kopf_reconcile.tenancy import Tenancy
@@ -64,4 +66,74 @@ class LoopBoundRepository(Protocol):
 
     def bind_loop(self, *, reconciler_id: str, tenancy: Tenancy) -> None:
         """Adopt the Loop's reconciler id as scope (unless explicit) and its tenancy."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetter:
+    """An entity a leader gave up on, as a durable store keeps it."""
+
+    reconciler_id: str  # the scope of the store: by default the reconciler id
+    entity_id: str
+    reason: str  # the latest dead letter's
+    first_at: datetime.datetime  # the first dead letter since the entity last succeeded
+    last_at: datetime.datetime
+    attempts: int  # dead letters since the entity last succeeded
+    epoch: int  # the epoch of the leader that wrote the latest one
+
+
+@runtime_checkable
+class DeadLetterStore(Protocol):
+    """A repository that keeps a scope's dead letters across failovers and restarts.
+
+    Every write is fenced as a fenced write is: below the scope's recorded epoch it
+    changes nothing and answers False (a deposed leader cannot write one).
+    """
+
+    async def record_dead_letter(self, entity_id: str, epoch: int, reason: str) -> bool:
+        """Record (or count once more) the dead letter of ``entity_id``."""
+        ...
+
+    async def clear_dead_letter(self, entity_id: str, epoch: int) -> bool:
+        """Forget the dead letter of ``entity_id`` (it succeeded)."""
+        ...
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """The scope's dead letters."""
+        ...
+
+    async def take_redrives(self, epoch: int) -> list[str]:
+        """The entities someone asked to retry (consumed: each request is handed out once).
+
+        Fenced too: a deposed leader gets nothing and leaves the requests to the leader.
+        """
+        ...
+
+
+@runtime_checkable
+class ShardableRepository(Protocol):
+    """A repository that can fence each shard of a sharded reconciler in a scope of its own.
+
+    A reconciler with ``shards=N`` (N > 1) leads each shard under its own lease, whose
+    epochs are unrelated to the other shards': each shard therefore needs its own
+    fencing scope, ``<scope>-shard-<k>``, on the same store.
+    """
+
+    def for_shard(self, shard: int) -> FencedRepository:
+        """A repository on the same store for shard ``shard`` (not yet bound to a Loop).
+
+        Bound to the shard's Loop, its scope is that Loop's reconciler id
+        (``<reconciler id>-shard-<k>``), or ``<explicit scope>-shard-<k>``.
+        """
+        ...
+
+    async def record_shard_count(self, shards: int, *, by_namespace: bool = False) -> None:
+        """Record in this (unsharded) scope that its entities live in ``shards`` shard scopes.
+
+        Raises :class:`~kopf_reconcile.ConfigError` when the scope was led unsharded, or
+        recorded with another shard count (or ``by_namespace``): an entity would then be
+        fenced in two scopes
+        by two unrelated leases. Once recorded, an unsharded leader of the scope is
+        refused too.
+        """
         ...

@@ -1,7 +1,8 @@
 """The ``kopf-reconcile`` command (also ``python -m kopf_reconcile``).
 
-(Over 400 lines on purpose: one short section per command (run, migrate, leases, demo)
-sharing one argument parser and one way of reporting failures on one line.)
+(Over 400 lines on purpose: one short section per command (run, migrate, leases, dead
+letters, redrive, status, demo) sharing one argument parser and one way of reporting
+failures on one line.)
 
 * ``kopf-reconcile run handlers.py [kopf run options]`` runs kopf with the
   handlers, like ``kopf run``, plus what a deployed operator needs: the
@@ -16,8 +17,17 @@ sharing one argument parser and one way of reporting failures on one line.)
   (and, given a database, the PostgreSQL lease table): reconciler id, holder,
   epoch, acquired, renewed, expires. Whoever may edit a Lease chooses its
   holder text, so control characters are escaped before they reach a terminal.
+* ``kopf-reconcile dead-letters [-n NS] [--reconciler R]`` lists the dead letters
+  leaders kept in PostgreSQL; ``kopf-reconcile redrive ENTITY|--all`` writes redrive
+  requests there, which the leader of each reconciler takes (followers never do).
+* ``kopf-reconcile status`` shows per reconciler the leader, its epoch and since when
+  it leads, failovers in the last hour (from the database's record of each epoch that
+  led, else from the Lease), dead letters, and, given the replicas' addresses (``--endpoint``),
+  the leader's queued and in-flight reconciles (from ``/healthz``).
 
-The database URL of ``migrate`` and ``leases`` comes from
+As ``kubectl-reconcile`` the same commands are a kubectl plugin: ``kubectl reconcile status``.
+
+The database URL of ``migrate``, ``leases`` and the others comes from
 ``KOPF_RECONCILE_DATABASE_URL`` or ``--database-url-file``: a password given with
 ``--database-url`` is visible to every user of the machine in the process list
 (a warning says so). Their failures are one line naming the problem, never a
@@ -48,7 +58,7 @@ from typing import Any
 
 from kopf_reconcile.api import ConfigError
 from kopf_reconcile.database import redact_dsn
-from kopf_reconcile.integration import logs
+from kopf_reconcile.integration import logs, shard_leases
 from kopf_reconcile.integration import settings as process_settings
 from kopf_reconcile.integration.settings import LeaderKind, Settings
 from kopf_reconcile.integration.tables import format_table
@@ -123,6 +133,54 @@ def _parser() -> argparse.ArgumentParser:
     scope.add_argument("-A", "--all-namespaces", action="store_true")
     _database_options(leases, "also show this database's lease table")
     leases.set_defaults(command=_leases)
+
+    dead = commands.add_parser(
+        "dead-letters", help="list the dead letters a leader kept in PostgreSQL"
+    )
+    dead.add_argument("-n", "--namespace", help="only entities of this namespace")
+    dead.add_argument("--reconciler", help="only this reconciler id (fenced scope)")
+    _database_options(dead, "default: $KOPF_RECONCILE_DATABASE_URL")
+    dead.set_defaults(command=_dead_letters)
+
+    redrive = commands.add_parser(
+        "redrive",
+        help="ask the leader to retry dead-lettered entities",
+        description=(
+            "Write a redrive request for ENTITY (<namespace>/<name>), or for every dead "
+            "letter with --all, to PostgreSQL; the leader of each reconciler takes its "
+            "requests within its redrive interval (2 s) and reconciles them at once."
+        ),
+    )
+    target = redrive.add_mutually_exclusive_group(required=True)
+    target.add_argument("entity", nargs="?", metavar="ENTITY", help="<namespace>/<name>")
+    target.add_argument("--all", action="store_true", help="every dead letter")
+    redrive.add_argument("--reconciler", help="only this reconciler id (fenced scope)")
+    _database_options(redrive, "default: $KOPF_RECONCILE_DATABASE_URL")
+    redrive.set_defaults(command=_redrive)
+
+    status = commands.add_parser(
+        "status",
+        help="per reconciler: leader, epoch, failovers, dead letters, queue",
+        description=(
+            "Per reconciler: the leader and its epoch, since when it leads, failovers in "
+            "the last hour, dead letters (with a database), and queued and in-flight work "
+            "of the leader when its endpoint is given (--endpoint, repeatable)."
+        ),
+    )
+    status.add_argument("--kubeconfig", help="default: in-cluster, $KUBECONFIG, ~/.kube/config")
+    status_scope = status.add_mutually_exclusive_group()
+    status_scope.add_argument("-n", "--namespace", help="default: $POD_NAMESPACE or the context's")
+    status_scope.add_argument("-A", "--all-namespaces", action="store_true")
+    status.add_argument(
+        "--endpoint",
+        dest="endpoints",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a replica's metrics address (http://host:port), for queue figures; repeatable",
+    )
+    _database_options(status, "dead letters, failovers and the PostgreSQL lease table")
+    status.set_defaults(command=_status)
 
     demo = commands.add_parser(
         "demo",
@@ -440,7 +498,7 @@ def _leases(args: argparse.Namespace) -> int:
 async def _show_leases(args: argparse.Namespace, config: Settings) -> int:
     status = 0
     try:
-        rows = await _kubernetes_leases(
+        records = await _kubernetes_leases(
             args.kubeconfig, args.namespace or config.pod_namespace, args.all_namespaces
         )
     except Exception as exc:
@@ -450,10 +508,10 @@ async def _show_leases(args: argparse.Namespace, config: Settings) -> int:
         status = EXIT_FAILURE
     else:
         print("Kubernetes Leases:")
-        _print_table(rows)
+        _print_table(records)
     if config.database_url is not None:
         try:
-            rows = await _postgres_leases(config.database_url)
+            records = await _postgres_leases(config.database_url)
         except Exception as exc:
             print(
                 f"PostgreSQL leases: cannot read them: {redact(describe_error(exc))}",
@@ -462,29 +520,30 @@ async def _show_leases(args: argparse.Namespace, config: Settings) -> int:
             status = EXIT_FAILURE
         else:
             print(f"\nPostgreSQL leases ({redact_dsn(config.database_url)}):")
-            _print_table(rows)
+            _print_table(records)
     return status
 
 
 async def _kubernetes_leases(
     kubeconfig: str | None, namespace: str | None, all_namespaces: bool
-) -> list[tuple[str, ...]]:
+) -> list[LeaseRecord]:
     from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
 
     # The elector finds the cluster and the namespace by its own rules (in-cluster
     # configuration, else the kubeconfig); the listing is its knowledge too.
     async with KubernetesLeaseElector(namespace=namespace, kubeconfig=kubeconfig) as elector:
-        return _rows(await elector.list_leases(all_namespaces=all_namespaces))
+        return await elector.list_leases(all_namespaces=all_namespaces)
 
 
-async def _postgres_leases(url: str) -> list[tuple[str, ...]]:
+async def _postgres_leases(url: str) -> list[LeaseRecord]:
     from kopf_reconcile.leader.postgres import PostgresLeaseElector
 
     async with PostgresLeaseElector(url) as elector:
-        return _rows(await elector.list_leases())
+        return await elector.list_leases()
 
 
 def _rows(records: Sequence[LeaseRecord]) -> list[tuple[str, ...]]:
+    """Table rows, each sharded reconciler's shards together and in order."""
     return [
         (
             record.namespace or "-",
@@ -495,22 +554,28 @@ def _rows(records: Sequence[LeaseRecord]) -> list[tuple[str, ...]]:
             _when(record.renewed_at),
             _when(record.expires_at),
         )
-        for record in records
+        for record in shard_leases.ordered(records)
     ]
 
 
 def _when(moment: Any) -> str:
     if not isinstance(moment, datetime.datetime):
         return "-"
-    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    from kopf_reconcile.leader.kubernetes import format_micro_time  # one time format for all
+
+    return format_micro_time(moment)
 
 
-def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
-    if not rows:
+def _print_table(records: Sequence[LeaseRecord]) -> None:
+    """The leases; then, per sharded reconciler, its holders with their shards and epochs."""
+    if not records:
         print("  (none)")
         return
+    rows = _rows(records)
     for line in format_table(_COLUMNS, [tuple(map(escape_terminal, row)) for row in rows]):
         print("  " + line)
+    for line in shard_leases.summaries(records):
+        print("  " + escape_terminal(line))
 
 
 def escape_terminal(text: str) -> str:
@@ -533,3 +598,205 @@ def escape_terminal(text: str) -> str:
         else:
             out.append(char.encode("unicode_escape").decode("ascii"))
     return "".join(out)
+
+
+# -- dead letters, redrive, status -----------------------------------------------------------
+
+_DEAD_COLUMNS = ("RECONCILER", "ENTITY", "ATTEMPTS", "EPOCH", "FIRST", "LAST", "REASON")
+_STATUS_COLUMNS = (
+    "NAMESPACE", "RECONCILER", "LEADER", "EPOCH", "SINCE", "FAILOVERS(1H)", "DEAD LETTERS",
+    "QUEUED", "IN FLIGHT",
+)  # fmt: skip
+FAILOVER_WINDOW = 3600.0  # "failovers in the last hour"
+ENDPOINT_TIMEOUT = 5.0
+
+
+def _required_database(args: argparse.Namespace, command: str) -> str:
+    config = Settings.load(database_url=_database_url_argument(args))
+    if config.database_url is None:
+        raise ConfigError(
+            f"{command} needs the database: set KOPF_RECONCILE_DATABASE_URL or pass "
+            "--database-url-file"
+        )
+    return config.database_url
+
+
+def _dead_letters(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    url = _required_database(args, "dead-letters")
+    try:
+        letters = asyncio.run(_list_dead_letters(url, args.reconciler, args.namespace))
+    except Exception as exc:
+        print(
+            f"kopf-reconcile dead-letters: cannot read them at {redact_dsn(url)}: "
+            f"{redact(describe_error(exc))}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    rows = [
+        (
+            d.reconciler_id,
+            d.entity_id,
+            str(d.attempts),
+            str(d.epoch),
+            _when(d.first_at),
+            _when(d.last_at),
+            d.reason,
+        )
+        for d in letters
+    ]
+    if not rows:
+        print("no dead letters")
+        return 0
+    for line in format_table(_DEAD_COLUMNS, [tuple(map(escape_terminal, r)) for r in rows]):
+        print(line)
+    return 0
+
+
+async def _list_dead_letters(url: str, scope: str | None, namespace: str | None) -> list[Any]:
+    from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+
+    async with PostgresFencedRepository(url) as repository:
+        return await repository.list_dead_letters(scope=scope, namespace=namespace)
+
+
+def _redrive(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    url = _required_database(args, "redrive")
+    entity = None if args.all else args.entity
+    try:
+        asked = asyncio.run(_request_redrive(url, entity, args.reconciler))
+    except Exception as exc:
+        print(
+            f"kopf-reconcile redrive: cannot write the request at {redact_dsn(url)}: "
+            f"{redact(describe_error(exc))}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    if not asked:
+        what = "no dead letter" if entity is None else f"no dead letter of {entity!r}"
+        print(escape_terminal(f"{what} to redrive"), file=sys.stderr)
+        return EXIT_FAILURE
+    print(
+        f"asked the leader to retry {len(asked)} entit{'y' if len(asked) == 1 else 'ies'}: "
+        + escape_terminal(", ".join(asked))
+    )
+    return 0
+
+
+async def _request_redrive(url: str, entity: str | None, scope: str | None) -> list[str]:
+    from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+
+    async with PostgresFencedRepository(url) as repository:
+        return await repository.request_redrive(entity, scope=scope)
+
+
+def _status(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    config = Settings.load(database_url=_database_url_argument(args))
+    return asyncio.run(_show_status(args, config))
+
+
+async def _show_status(args: argparse.Namespace, config: Settings) -> int:
+    status = 0
+    records: list[LeaseRecord] = []
+    try:
+        from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
+
+        async with KubernetesLeaseElector(
+            namespace=args.namespace or config.pod_namespace, kubeconfig=args.kubeconfig
+        ) as elector:
+            records += await elector.list_leases(all_namespaces=args.all_namespaces)
+    except Exception as exc:
+        print(
+            f"Kubernetes Leases: cannot list them: {redact(describe_error(exc))}", file=sys.stderr
+        )
+        status = EXIT_FAILURE
+    dead: dict[str, int] = {}
+    changes: dict[str, int] | None = None
+    if config.database_url is not None:
+        try:
+            records += await _postgres_lease_records(config.database_url)
+            dead, changes = await _database_figures(config.database_url)
+        except Exception as exc:
+            print(f"PostgreSQL: cannot read it: {redact(describe_error(exc))}", file=sys.stderr)
+            status = EXIT_FAILURE
+    queues = await _leader_queues(args.endpoints)
+    now = datetime.datetime.now(datetime.UTC)
+    rows = []
+    for record in records:
+        rid = record.reconciler_id
+        if changes is not None:
+            failovers = str(changes.get(rid, 0))
+        elif record.acquired_at is not None and record.holder_id:
+            recent = (now - record.acquired_at).total_seconds() < FAILOVER_WINDOW
+            failovers = ">=1" if recent else "0"  # the Lease keeps only the latest
+        else:
+            failovers = "-"
+        queue = queues.get(rid)
+        rows.append(
+            (
+                record.namespace or "(postgresql)",
+                rid,
+                record.holder_id or "(none)",
+                str(record.epoch),
+                _when(record.acquired_at) if record.holder_id else "-",
+                failovers,
+                str(dead.get(rid, 0)) if config.database_url is not None else "-",
+                "-" if queue is None else str(queue.get("queued", "-")),
+                "-" if queue is None else str(queue.get("in_flight", "-")),
+            )
+        )
+    if not rows:
+        print("no kopf-reconcile leases found")
+        return status
+    for line in format_table(_STATUS_COLUMNS, [tuple(map(escape_terminal, r)) for r in rows]):
+        print(line)
+    return status
+
+
+async def _postgres_lease_records(url: str) -> list[LeaseRecord]:
+    from kopf_reconcile.leader.postgres import PostgresLeaseElector
+
+    async with PostgresLeaseElector(url) as elector:
+        try:
+            return await elector.list_leases()
+        except Exception as exc:
+            if type(exc).__name__ == "UndefinedTableError":
+                return []  # Kubernetes Leases only: no lease table
+            raise
+
+
+async def _database_figures(url: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Dead letters and leadership changes in the last hour, per fenced scope."""
+    from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+
+    async with PostgresFencedRepository(url) as repository:
+        dead: dict[str, int] = {}
+        for letter in await repository.list_dead_letters():
+            dead[letter.reconciler_id] = dead.get(letter.reconciler_id, 0) + 1
+        return dead, await repository.leadership_changes(FAILOVER_WINDOW)
+
+
+async def _leader_queues(endpoints: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per reconciler id, the figures its leader's ``/healthz`` reports (reachable ones only)."""
+    if not endpoints:
+        return {}
+    import aiohttp
+
+    found: dict[str, dict[str, Any]] = {}
+    timeout = aiohttp.ClientTimeout(total=ENDPOINT_TIMEOUT)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        for endpoint in endpoints:
+            url = endpoint.rstrip("/") + "/healthz"
+            try:
+                async with http.get(url) as response:
+                    report = await response.json()
+            except Exception as exc:
+                print(f"{url}: not reachable: {describe_error(exc)}", file=sys.stderr)
+                continue
+            reconcilers = report.get("reconcilers") if isinstance(report, dict) else None
+            for rid, figures in (reconcilers or {}).items():
+                if isinstance(figures, dict) and figures.get("leader"):
+                    found[rid] = figures
+    return found

@@ -25,6 +25,12 @@ The decorator registers four handlers on kopf's registry for one reconciler:
   the operator stops within one stop timeout, not one per reconciler;
 * a **probe** (kopf's liveness endpoint) reporting leadership, epoch and queue.
 
+Events. The leader's Loop records Kubernetes Events on the objects (a failed
+reconcile, a dead letter, a recovery, and the reconciler's own ``kr.event``) through
+:class:`~kopf_reconcile.integration.events.KubernetesEventSink`, which takes the
+object's apiVersion, kind and uid from the cache; Events are separate objects, so the
+objects themselves are still never written (``events=False`` turns them off).
+
 Replicas. Every replica watches (a warm standby: its cache is current when it
 takes over); only the holder of the reconciler's lease dispatches. kopf's own
 peering is not leader election (no atomic acquisition, equal priorities
@@ -86,16 +92,19 @@ from kopf_reconcile.api import (
     seconds,
 )
 from kopf_reconcile.builder import Builder
-from kopf_reconcile.cache import ObjectCache, serving
-from kopf_reconcile.config import DEFAULT_INTERVAL, LoopConfig
+from kopf_reconcile.cache import ObjectCache, Transform, serving, strip_managed_fields
+from kopf_reconcile.config import DEFAULT_INTERVAL, LoopConfig, validate_name
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.integration import settings as process_settings
+from kopf_reconcile.integration.events import KubernetesEventSink
 from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX, install_quiet_event_handlers
 from kopf_reconcile.integration.naming import derived_reconciler_id, is_generic_name
 from kopf_reconcile.integration.relisting import ListingTracker
 from kopf_reconcile.leader.protocol import LeaderElector
 from kopf_reconcile.loop import Loop
 from kopf_reconcile.metrics import Metrics, register_metrics
+from kopf_reconcile.sharded_loop import ShardedLoop
+from kopf_reconcile.sharding import ShardAssignment, validate_shards
 from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.triggers import TickerTrigger
 
@@ -192,7 +201,12 @@ class _Options:
     name: str
     reconciler_id: str
     selection: _Selection
+    cache_transform: Transform | None = strip_managed_fields
+    generation_changed: bool = False
     ambiguous: bool = False  # a default id that names only the resource (see naming)
+    events: bool = True  # Kubernetes Events on the objects (see integration.events)
+    # One lease per shard (see sharded_loop); one shard: not sharded.
+    shards: ShardAssignment = dataclasses.field(default_factory=lambda: ShardAssignment(1))
 
 
 class _Registration:
@@ -242,7 +256,7 @@ class _Registration:
             repository: FencedRepository | None = None
             if elector is not None or o.fenced is not FROM_SETTINGS:
                 repository = await self._resolve("fenced", o.fenced, config.build_fenced_repository)
-            cache = ObjectCache()
+            cache = ObjectCache(transform=o.cache_transform)
             builder = (
                 Builder(self.reconcile, o.tenancy)
                 .with_trigger(cache)
@@ -254,6 +268,8 @@ class _Registration:
             )
             if o.backoff is not None:
                 builder.with_backoff(*o.backoff)
+            if o.shards.shards > 1:
+                builder.with_shards(o.shards.shards, by_namespace=o.shards.by_namespace)
             if elector is not None:
                 builder.with_leader(elector).with_renew_interval(
                     config.renew_interval if o.renew_interval is None else o.renew_interval
@@ -265,6 +281,10 @@ class _Registration:
                 builder.with_metrics(metrics)
             if config.stop_timeout is not None:
                 builder.with_stop_timeout(config.stop_timeout)
+            if o.events:
+                sink = KubernetesEventSink(cache.get, instance=config.pod_name)
+                self._owned.append(sink)
+                builder.with_events(sink)
             loop = builder.build()
             self.cache = cache
             await loop.start()
@@ -328,7 +348,12 @@ class _Registration:
         if event.get("type") == "DELETED":
             await cache.remove(entity_id, body)  # only what was selected is gone for the reconciler
         elif self.options.selection.matches(body):
-            await cache.update(entity_id, body)
+            await cache.update(
+                entity_id,
+                body,
+                skip_same_generation=self.options.generation_changed
+                and event.get("type") == "MODIFIED",
+            )
         else:  # this incarnation left the selection: to the reconciler it is gone
             await cache.forget(entity_id, body)  # (not deleted: it may match again)
 
@@ -366,7 +391,7 @@ class _Registration:
         if loop is None:
             return {"running": False}
         stats = loop.stats()
-        return {
+        status: dict[str, object] = {
             "running": True,
             "leader": stats.is_leader,
             "epoch": stats.epoch,
@@ -375,6 +400,11 @@ class _Registration:
             "dead_letters": stats.dead_letters,
             "cached_objects": 0 if self.cache is None else len(self.cache),
         }
+        if isinstance(loop, ShardedLoop):  # the shards this replica leads, and at which epoch
+            status["shards"] = {
+                str(k): s.epoch for k, s in loop.shard_stats().items() if s.is_leader
+            }
+        return status
 
     async def _resolve(
         self, option: str, value: object, from_settings: Callable[[], T | None]
@@ -458,11 +488,16 @@ def reconciler(
     leader: LeaderOption = FROM_SETTINGS,
     fenced: FencedOption = FROM_SETTINGS,
     metrics: Metrics | _FromSettings | None = FROM_SETTINGS,
+    events: bool = True,
     name: str | None = None,
     reconciler_id: str | None = None,
     renew_interval: Duration | None = None,
     labels: Mapping[str, str] | None = None,
     field_selector: str | None = None,
+    cache_transform: Transform | None = strip_managed_fields,
+    generation_changed: bool = False,
+    shards: int = 1,
+    shard_by_namespace: bool = False,
     registry: Any = None,
 ) -> Callable[[F], F]:
     """Register the decorated reconciler for ``group/version/plural`` objects with kopf.
@@ -482,6 +517,10 @@ def reconciler(
       What the shim builds it also closes; objects you pass stay yours.
     * ``metrics``: instruments from ``register_metrics()``; by default those on
       prometheus-client's default registry; None disables them.
+    * ``events``: record Kubernetes Events on the objects (Warning ``ReconcileError``
+      and ``DeadLettered``, Normal ``Reconciled`` after a failure, and the
+      reconciler's own through ``kr.event``), posted by the leader in the background,
+      aggregated and rate-limited (default True; see :mod:`kopf_reconcile.events`).
     * ``name``: controller name in metrics and logs (default: the function's name);
       ``reconciler_id``: lease name and fencing scope (default:
       ``<plural>.<group>-<name>``, see :mod:`kopf_reconcile.integration.naming`; required with a
@@ -489,6 +528,18 @@ def reconciler(
     * ``renew_interval``: lease renewal period (default: ``KOPF_RECONCILE_RENEW_INTERVAL``).
     * ``labels``: exact label values an object must carry; ``field_selector``: a
       Kubernetes field selector (``metadata.name=x,status.phase!=Done``).
+    * ``cache_transform``: applied to every body before the cache keeps it; by default
+      :func:`~kopf_reconcile.cache.strip_managed_fields` (drops ``metadata.managedFields``
+      and the last-applied annotation); None keeps bodies whole; a callable replaces it.
+    * ``generation_changed``: when True, an update that leaves ``metadata.generation``
+      unchanged (status, labels, annotations) is cached but triggers no reconcile
+      (controller-runtime's GenerationChangedPredicate); creations, deletions and
+      resyncs always do. Default False: every change triggers.
+    * ``shards``: split the objects into this many shards, each led under a lease of its
+      own (``<reconciler_id>-shard-<k>``) and fenced in a scope of its own, so several
+      replicas reconcile at once (default 1: one leader; see
+      :mod:`kopf_reconcile.sharded_loop`); ``shard_by_namespace``: assign whole
+      namespaces to shards instead of single objects. Needs a leader.
     * ``registry``: a kopf ``OperatorRegistry`` (default: kopf's default registry).
     """
     for option, value in (("version", version), ("plural", plural)):
@@ -504,14 +555,21 @@ def reconciler(
     if metrics is not FROM_SETTINGS and metrics is not None and not isinstance(metrics, Metrics):
         raise ConfigError(f"metrics must come from register_metrics() or be None, got {metrics!r}")
     selection = _Selection.parse(labels, field_selector)
+    if cache_transform is not None and not callable(cache_transform):
+        raise ConfigError(f"cache_transform must be a callable or None, got {cache_transform!r}")
+    if not isinstance(generation_changed, bool):
+        raise ConfigError(f"generation_changed must be True or False, got {generation_changed!r}")
+    assignment = ShardAssignment(validate_shards(shards), shard_by_namespace)
+    if assignment.shards > 1 and leader is None:
+        raise ConfigError(
+            f"shards={shards} requires a leader: each shard is led under a lease of its own"
+        )
     install_quiet_event_handlers()
     _install_relist_sweep()
 
     def decorator(fn: F) -> F:
         fn_name, reconcile_fn = as_reconcile_fn(fn)
-        controller = fn_name if name is None else name
-        if not isinstance(controller, str) or not controller:
-            raise ConfigError(f"name must be a non-empty string, got {name!r}")
+        controller = validate_name(fn_name if name is None else name)
         rid = (
             derived_reconciler_id(group, plural, controller)
             if reconciler_id is None
@@ -550,10 +608,14 @@ def reconciler(
             leader=leader,
             fenced=fenced,
             metrics=metrics,
+            events=bool(events),
             name=controller,
             reconciler_id=rid,
             selection=selection,
+            cache_transform=cache_transform,
+            generation_changed=generation_changed,
             ambiguous=reconciler_id is None and is_generic_name(controller),
+            shards=assignment,
         )
         registration = _Registration(reconcile_fn, options, real_registry)
         if leader is not None and leader is not FROM_SETTINGS:

@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 from kopf_reconcile.api import ConfigError
 from kopf_reconcile.database import is_postgres_url, redact_dsn
 from kopf_reconcile.leader.identity import unique_holder_id
-from kopf_reconcile.leader.protocol import LeaseTTL
+from kopf_reconcile.leader.protocol import MIN_LEASE_TTL, LeaseTTL
 from kopf_reconcile.leader.timing import (
     DEFAULT_LEASE_TTL,
     DEFAULT_RETRY_PERIOD,
@@ -329,8 +329,8 @@ def _lease_ttl(source: str, value: object) -> LeaseTTL:
     if isinstance(value, LeaseTTL):
         return value
     number = _positive_seconds(source, value)
-    if number < 0.001:  # LeaseTTL's floor: stores carry whole milliseconds at least
-        raise ConfigError(f"{source} must be >= 0.001 seconds (1 ms), got {value!r}")
+    if number < MIN_LEASE_TTL:  # checked here too, so that the message names the variable
+        raise ConfigError(f"{source} must be >= {MIN_LEASE_TTL} seconds (1 ms), got {value!r}")
     if number > MAX_LEASE_TTL:
         raise ConfigError(
             f"{source} must be at most {MAX_LEASE_TTL} seconds (a Lease's "

@@ -130,6 +130,7 @@ __all__ = [
     "RECONCILER_LABEL",
     "KubernetesLeaseElector",
     "LeaseEpochExhausted",
+    "connect_api",
     "format_micro_time",
     "lease_duration_seconds",
 ]
@@ -798,6 +799,12 @@ class KubernetesLeaseElector(AsyncClosing):
         if self._namespace is None:  # a borrowed client: the default kubeconfig may say
             self._namespace = _kubeconfig_namespace(None) or "default"
         return self._namespace
+
+
+async def connect_api(kubeconfig: str | None = None) -> ApiClient:
+    """A new client by the elector's rules: ``kubeconfig``, else in-cluster, else the default."""
+    api, _ = await _connect(kubeconfig)
+    return api
 
 
 async def _connect(kubeconfig: str | None) -> tuple[ApiClient, str | None]:

@@ -74,6 +74,10 @@ class LeaseToken:
     expires_at: datetime.datetime
 
 
+#: The shortest lease TTL: lease stores carry whole milliseconds at least.
+MIN_LEASE_TTL = 0.001
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class LeaseTTL:
     """A validated lease window; sub-millisecond values are rejected.
@@ -87,8 +91,8 @@ class LeaseTTL:
 
     def __init__(self, value: Duration) -> None:
         ttl = seconds("lease ttl", value)
-        if ttl < 0.001:
-            raise ConfigError(f"lease ttl must be >= 0.001 seconds (1 ms), got {value!r}")
+        if ttl < MIN_LEASE_TTL:
+            raise ConfigError(f"lease ttl must be >= {MIN_LEASE_TTL} seconds (1 ms), got {value!r}")
         object.__setattr__(self, "seconds", ttl)
 
     @property

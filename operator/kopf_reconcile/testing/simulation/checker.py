@@ -81,7 +81,7 @@ def overlaps(spans: Iterable[Span], end_of_time: float) -> list[str]:
 def divergent(fence: FenceStore, desired: dict[str, tuple[int, int]]) -> list[str]:
     found = []
     for entity, (version, value) in desired.items():
-        state = fence.state(WRITER, entity)
+        state = fence.state_in_any(WRITER, entity)  # its shard's scope when sharded
         if state != {"version": version, "value": value}:
             found.append(f"{entity} ended as {state}, desired version {version} value {value}")
     return found

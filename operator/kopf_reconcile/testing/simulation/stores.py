@@ -26,7 +26,13 @@ from collections.abc import Awaitable, Callable
 
 from kopf_reconcile.control.epochs import EpochFloor, EpochMemory
 from kopf_reconcile.fencing.protocol import StaleEpochError
-from kopf_reconcile.leader.protocol import LeaseContended, LeaseLost, LeaseToken, LeaseTTL
+from kopf_reconcile.leader.protocol import (
+    LeaseContended,
+    LeaseLost,
+    LeaseRecord,
+    LeaseToken,
+    LeaseTTL,
+)
 from kopf_reconcile.tenancy import Tenancy
 
 __all__ = ["Applied", "FenceStore", "Granted", "LeaseStore", "Led", "Record"]
@@ -191,6 +197,25 @@ class StoreElector:
     async def wait_for_release(self, reconciler_id: str) -> None:
         await self.store.released(reconciler_id).wait()
 
+    async def list_leases(self) -> list[LeaseRecord]:
+        """The records, expiring when the store's clock says (shown on this wall clock)."""
+        records = await self._io("list", lambda: dict(self.store.records))
+        assert isinstance(records, dict)
+        wall = datetime.datetime.now(datetime.UTC)
+        now = self.store.clock()
+        return [
+            LeaseRecord(
+                namespace=None,
+                reconciler_id=rid,
+                holder_id=record.holder,
+                epoch=record.epoch,
+                acquired_at=None,
+                renewed_at=None,
+                expires_at=wall + datetime.timedelta(seconds=record.expires - now),
+            )
+            for rid, record in sorted(records.items())
+        ]
+
 
 class FenceStore:
     """The fenced database: per-entity and scope-wide epoch checks, with a history."""
@@ -231,6 +256,13 @@ class FenceStore:
     def state(self, scope: str, entity_id: str) -> object:
         return self.rows.get((scope, entity_id), (0, None))[1]
 
+    def state_in_any(self, base: str, entity_id: str) -> object:
+        """The entity's state in scope ``base`` or in one of its shard scopes."""
+        for (scope, entity), (_, state) in self.rows.items():
+            if entity == entity_id and (scope == base or scope.startswith(f"{base}-shard-")):
+                return state
+        return None
+
 
 class StoreRepository:
     """A replica's fenced repository over a :class:`FenceStore`; calls go through ``io``."""
@@ -267,3 +299,12 @@ class StoreRepository:
         highest = await self._io("floor", lambda: self.store.highest(self.scope))
         assert isinstance(highest, int)
         return highest
+
+    def for_shard(self, shard: int) -> StoreRepository:
+        """Shard ``shard``'s repository: the same store; its scope comes from its Loop."""
+        return StoreRepository(self.store, self.writer, self._io, self._write_timeout)
+
+    async def record_shard_count(self, shards: int, *, by_namespace: bool = False) -> None:
+        """Record the layout in this scope, as the real store does (its lease names it)."""
+        layout = f"{self._lease}/shards={shards}" + ("/by-namespace" if by_namespace else "")
+        await self._io("record", lambda: self.store.record(self.scope, 0, layout, "shards"))

@@ -54,6 +54,7 @@ class Settings:
     chaos: float = 40.0  # seconds of nemesis and changing desires
     settle: float = 30.0  # then this long healed, for convergence
     fault_rate: float = 0.08  # of store calls during the chaos
+    shards: int = 1  # of the writer reconciler (>1: one lease and fencing scope per shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +110,11 @@ class Replica:
         return StoreRepository(self.world.fence, self.name, self.io, WRITE_TIMEOUT)
 
     def _loop(self, reconciler_id: str, reconcile: object, repo: StoreRepository) -> kr.Loop:
+        builder = kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)  # type: ignore[arg-type]
+        if reconciler_id == WRITER and self.world.settings.shards > 1:
+            builder.with_shards(self.world.settings.shards)
         return (
-            kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)  # type: ignore[arg-type]
-            .with_trigger(kr.ChannelTrigger(self.queues[reconciler_id]))
+            builder.with_trigger(kr.ChannelTrigger(self.queues[reconciler_id]))
             .with_reconciler_id(reconciler_id)
             .with_leader(self.elector)
             .with_fenced_repo(repo)
@@ -161,6 +164,7 @@ class Replica:
 
     def lost_record(self, reconciler_id: str) -> None:
         """Its lease record was deleted under it: another may lead before it can know."""
+        reconciler_id = reconciler_id.partition("-shard-")[0]  # a shard's: its reconciler's
         for span in self.spans:
             if span.end is None and span.reconciler == reconciler_id:
                 span.exempt = True
@@ -358,6 +362,8 @@ class World:
                     await successor.start()
             elif roll < 0.85:
                 reconciler_id = rng.choice([WRITER, SIDE])
+                if reconciler_id == WRITER and self.settings.shards > 1:
+                    reconciler_id = f"{WRITER}-shard-{rng.randrange(self.settings.shards)}"
                 self.note(f"delete the lease record of {reconciler_id}")
                 record = self.leases.records.get(reconciler_id)
                 for replica in self.replicas:

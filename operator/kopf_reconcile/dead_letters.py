@@ -1,0 +1,168 @@
+"""Durable dead letters: a leader's dead letters kept in its fenced store, and redrives.
+
+Without a store, a dead letter lives in the leader's work queue only and is forgotten
+on failover or restart. With a fenced repository that is a
+:class:`~kopf_reconcile.fencing.protocol.DeadLetterStore` (``PostgresFencedRepository``
+is), the Loop's :class:`DurableDeadLetters`:
+
+* writes each dead letter to the store (reason, first and last time, attempts, epoch)
+  and clears it when the entity next succeeds. Writes go out in the background, one
+  at a time in the order they happened (a clear never overtakes the record it clears),
+  each carrying the leader's epoch: the store refuses a deposed leader's;
+* when the Loop starts leading, loads the scope's dead letters (a new leader knows the
+  old one's: they count in :meth:`~kopf_reconcile.Loop.stats` and are cleared on success);
+* while it leads, every ``redrive_interval`` takes the redrive requests of its scope
+  from the store (``kopf-reconcile redrive`` writes them) and adds those entities to
+  its queue, as a fresh trigger. Followers never look: the requests wait for the leader.
+
+A store error is logged; the write is dropped (the in-memory dead letter and its
+metric stay right) and the redrive poll retries at its next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from kopf_reconcile.fencing.protocol import DeadLetterStore
+
+__all__ = ["DurableDeadLetters"]
+
+logger = logging.getLogger("kopf_reconcile.dead_letters")
+
+MAX_PENDING_WRITES = 10_000  # writes waiting for an unreachable store before new ones are dropped
+
+
+class DurableDeadLetters:
+    """A Loop's dead letters in a :class:`DeadLetterStore`, and the redrives it hands over."""
+
+    def __init__(
+        self,
+        store: DeadLetterStore,
+        *,
+        name: str,
+        epoch: Callable[[], int],
+        redrive: Callable[[str], None],
+        interval: float,
+    ) -> None:
+        """Create it inside the running event loop; ``redrive`` adds an entity to the queue."""
+        self._store = store
+        self._name = name
+        self._epoch = epoch
+        self._redrive = redrive
+        self._interval = interval
+        #: Entities with a dead letter in the store, as far as this leader knows.
+        self.known: set[str] = set()
+        self._writes: asyncio.Queue[tuple[str, str, str | None, int]] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self._leading: asyncio.Task[None] | None = None
+
+    def dead_lettered(self, entity_id: str, reason: str) -> None:
+        if entity_id:
+            self.known.add(entity_id)
+            self._write("record", entity_id, reason)
+
+    def succeeded(self, entity_id: str) -> None:
+        if entity_id in self.known:
+            self.known.discard(entity_id)
+            self._write("clear", entity_id, None)
+
+    def lead(self) -> None:
+        """This Loop leads: load the scope's dead letters, then poll for redrive requests."""
+        self.lose()
+        self._leading = asyncio.create_task(self._lead(), name=f"{self._name}: dead letters")
+
+    def lose(self) -> None:
+        if self._leading is not None:
+            self._leading.cancel()
+            self._leading = None
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop polling; let the pending writes finish for up to ``timeout`` seconds."""
+        self.lose()
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self._writes.join()
+        except TimeoutError:
+            logger.warning(
+                "loop %s: %d dead-letter write(s) not done at stop, dropped",
+                self._name,
+                self._writes.qsize(),
+            )
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _write(self, op: str, entity_id: str, reason: str | None) -> None:
+        if self._writes.qsize() >= MAX_PENDING_WRITES:
+            logger.warning(
+                "loop %s: dead-letter store behind by %d writes; dropping the %s of %r",
+                self._name,
+                MAX_PENDING_WRITES,
+                op,
+                entity_id,
+            )
+            return
+        self._writes.put_nowait((op, entity_id, reason, self._epoch()))
+        if self._writer is None:
+            self._writer = asyncio.create_task(
+                self._write_all(), name=f"{self._name}: dead-letter writes"
+            )
+
+    async def _write_all(self) -> None:
+        while True:
+            op, entity_id, reason, epoch = await self._writes.get()
+            try:
+                if op == "record":
+                    assert reason is not None
+                    done = await self._store.record_dead_letter(entity_id, epoch, reason)
+                else:
+                    done = await self._store.clear_dead_letter(entity_id, epoch)
+                if not done and op == "record":
+                    logger.warning(
+                        "loop %s: the dead letter of %r at epoch %d was refused by the store "
+                        "(a higher epoch leads)",
+                        self._name,
+                        entity_id,
+                        epoch,
+                    )
+            except Exception as exc:
+                logger.warning(
+                    "loop %s: cannot %s the dead letter of %r in the store: %r",
+                    self._name,
+                    op,
+                    entity_id,
+                    exc,
+                )
+            finally:
+                self._writes.task_done()
+
+    async def _lead(self) -> None:
+        loaded = False
+        while True:
+            try:
+                if not loaded:
+                    letters = await self._store.dead_letters()
+                    self.known.update(letter.entity_id for letter in letters)
+                    loaded = True
+                    if letters:
+                        logger.info(
+                            "loop %s: %d dead letter(s) in the store",
+                            self._name,
+                            len(letters),
+                        )
+                for entity_id in await self._store.take_redrives(self._epoch()):
+                    logger.info("loop %s: redrive of %r requested", self._name, entity_id)
+                    self._redrive(entity_id)
+            except Exception as exc:
+                logger.warning(
+                    "loop %s: cannot read dead letters or redrives from the store: %r",
+                    self._name,
+                    exc,
+                )
+            await asyncio.sleep(self._interval)
