@@ -50,6 +50,7 @@ from aiohttp import web
 
 from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
+from results import result
 
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
@@ -396,31 +397,6 @@ def report(
         ratio="ours/baseline",
         target=("<=", 1.0),
     )
-
-
-def result(
-    benchmark: str,
-    figure: str,
-    ours: list[float],
-    baseline: list[float],
-    *,
-    unit: str,
-    ratio: str,
-    target: tuple[str, float],
-    extra: dict[str, float] | None = None,
-) -> None:
-    """One machine-readable line for scripts/bench.py (RESULTS.md)."""
-    line = {
-        "benchmark": benchmark,
-        "figure": figure,
-        "ours": ours,
-        "baseline": baseline,
-        "unit": unit,
-        "ratio": ratio,
-        "target": list(target),
-        "extra": extra or {},
-    }
-    print("RESULT " + json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from typing import Any
@@ -33,6 +32,7 @@ import kopf_reconcile as kr
 from kopf_reconcile.api import RESYNC_ALL
 from kopf_reconcile.cache import ObjectCache, serving
 from kopf_reconcile.triggers import Emit
+from results import result
 
 WORK = 0.001  # seconds of simulated I/O per reconcile
 CONCURRENCY = 8
@@ -230,31 +230,6 @@ def main() -> None:
         ratio="ours/baseline",
         target=("<=", 1.10),
     )
-
-
-def result(
-    benchmark: str,
-    figure: str,
-    *,
-    ours: list[float],
-    baseline: list[float],
-    unit: str,
-    ratio: str,
-    target: tuple[str, float],
-    extra: dict[str, float] | None = None,
-) -> None:
-    """One machine-readable line for scripts/bench.py (RESULTS.md)."""
-    line = {
-        "benchmark": benchmark,
-        "figure": figure,
-        "ours": ours,
-        "baseline": baseline,
-        "unit": unit,
-        "ratio": ratio,
-        "target": list(target),
-        "extra": extra or {},
-    }
-    print("RESULT " + json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

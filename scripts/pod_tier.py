@@ -41,6 +41,7 @@ from real_apiserver import (
     replace_vendored_modules,
     reported_version,
     run,
+    set_up_tier,
 )
 
 from kopf_reconcile.testing.real_apiserver import KUBE_VERSION, cache_dir
@@ -186,24 +187,7 @@ def set_up() -> Path:
 
 
 def main() -> int:
-    in_ci = os.environ.get("CI") == "true"
-    if os.environ.get("KOPF_RECONCILE_SKIP_POD_TIER") == "1":
-        if not in_ci:
-            print("pod tier: skipped (KOPF_RECONCILE_SKIP_POD_TIER=1)")
-            return 0
-        print("pod tier: required under CI=true; the skip variable is ignored")
-    try:
-        target = set_up()
-    except (SetupError, OSError, subprocess.SubprocessError) as exc:
-        print(f"error: the pod tier cannot be set up: {exc}", file=sys.stderr)
-        if not in_ci:
-            print(
-                "       set KOPF_RECONCILE_SKIP_POD_TIER=1 to run without it locally",
-                file=sys.stderr,
-            )
-        return 1
-    print(f"pod tier: {target} ({KUBE_VERSION})", flush=True)
-    return 0
+    return set_up_tier("pod tier", "KOPF_RECONCILE_SKIP_POD_TIER", set_up)
 
 
 if __name__ == "__main__":

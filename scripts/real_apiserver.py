@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -365,26 +365,36 @@ def set_up(binary: Path) -> None:
                 shutil.rmtree(stale)
 
 
-def main() -> int:
+def set_up_tier(what: str, skip_variable: str, set_up_step: Callable[[], Path]) -> int:
+    """A test tier's setup step for ``make``: skippable locally, required under CI=true.
+
+    ``set_up_step`` returns what it set up (printed); a failure is printed with the
+    reason and, outside CI, the variable that skips the tier.
+    """
     in_ci = os.environ.get("CI") == "true"
-    if os.environ.get("KOPF_RECONCILE_SKIP_REAL_APISERVER") == "1":
+    if os.environ.get(skip_variable) == "1":
         if not in_ci:
-            print("real kube-apiserver tier: skipped (KOPF_RECONCILE_SKIP_REAL_APISERVER=1)")
+            print(f"{what}: skipped ({skip_variable}=1)")
             return 0
-        print("real kube-apiserver tier: required under CI=true; the skip variable is ignored")
-    binary = apiserver_binary()
+        print(f"{what}: required under CI=true; the skip variable is ignored")
     try:
-        set_up(binary)
+        result = set_up_step()
     except (SetupError, OSError, subprocess.SubprocessError) as exc:
-        print(f"error: the real kube-apiserver tier cannot be set up: {exc}", file=sys.stderr)
+        print(f"error: the {what} cannot be set up: {exc}", file=sys.stderr)
         if not in_ci:
-            print(
-                "       set KOPF_RECONCILE_SKIP_REAL_APISERVER=1 to run without it locally",
-                file=sys.stderr,
-            )
+            print(f"       set {skip_variable}=1 to run without it locally", file=sys.stderr)
         return 1
-    print(f"real kube-apiserver tier: {binary} ({KUBE_VERSION})", flush=True)
+    print(f"{what}: {result} ({KUBE_VERSION})", flush=True)
     return 0
+
+
+def main() -> int:
+    def step() -> Path:
+        binary = apiserver_binary()
+        set_up(binary)
+        return binary
+
+    return set_up_tier("real kube-apiserver tier", "KOPF_RECONCILE_SKIP_REAL_APISERVER", step)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ skips it (see docs/testing.md).
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +22,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from kopf_reconcile.testing.real_apiserver import RealCluster, RealClusterError
+from kopf_reconcile.testing.real_apiserver import RealCluster
+from support import start_tier
 
 SKIP_REAL_VARIABLE = "KOPF_RECONCILE_SKIP_REAL_APISERVER"
 
@@ -31,20 +31,7 @@ SKIP_REAL_VARIABLE = "KOPF_RECONCILE_SKIP_REAL_APISERVER"
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def real_cluster() -> AsyncIterator[RealCluster]:
     """The real kube-apiserver tier, started once per test session."""
-    in_ci = os.environ.get("CI") == "true"
-    if os.environ.get(SKIP_REAL_VARIABLE) == "1" and not in_ci:
-        pytest.skip(f"real kube-apiserver tier skipped ({SKIP_REAL_VARIABLE}=1)")
-    cluster = RealCluster()
-    try:
-        await cluster.__aenter__()
-        cannot_start = None
-    except RealClusterError as exc:
-        cannot_start = str(exc)
-    if cannot_start is not None:  # failed outside the handler: the message alone says it all
-        hint = "it is required under CI=true" if in_ci else f"set {SKIP_REAL_VARIABLE}=1 to skip it"
-        pytest.fail(
-            f"the real kube-apiserver tier cannot start ({hint}): {cannot_start}", pytrace=False
-        )
+    cluster = await start_tier(RealCluster(), "real kube-apiserver tier", SKIP_REAL_VARIABLE)
     try:
         yield cluster
     finally:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
 
 import kopf_reconcile as kr
+from kopf_reconcile.testing.real_apiserver import RealClusterError
+
+Tier = TypeVar("Tier", bound=Any)
 
 DEFAULT_TIMEOUT = 10.0
 
@@ -47,3 +54,20 @@ def fenced_loop(
         .with_renew_interval(renew_interval)
         .build()
     )
+
+
+async def start_tier(tier: Tier, what: str, skip_variable: str) -> Tier:
+    """Start a session's test tier (real API server, pod node): skipped when
+    ``skip_variable`` is 1 outside CI, and a clear failure when it cannot start."""
+    in_ci = os.environ.get("CI") == "true"
+    if os.environ.get(skip_variable) == "1" and not in_ci:
+        pytest.skip(f"{what} skipped ({skip_variable}=1)")
+    try:
+        await tier.__aenter__()
+        cannot_start = None
+    except RealClusterError as exc:
+        cannot_start = str(exc)
+    if cannot_start is not None:  # failed outside the handler: the message alone says it all
+        hint = "it is required under CI=true" if in_ci else f"set {skip_variable}=1 to skip it"
+        pytest.fail(f"the {what} cannot start ({hint}): {cannot_start}", pytrace=False)
+    return tier

@@ -27,7 +27,6 @@ import os
 import secrets
 import shutil
 import socket
-import ssl
 import subprocess
 import tempfile
 import time
@@ -38,7 +37,7 @@ from typing import Any
 
 import aiohttp
 from host import HostState, kill_kubepods, kill_shims, unmount_under
-from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client import ApiClient
 from netns import Forwarder, socket_in_namespace
 from node_files import (
     APISERVER_PORT,
@@ -59,6 +58,8 @@ from kopf_reconcile.testing.real_apiserver import (
     RealClusterError,
     apiserver_binary,
     cache_dir,
+    token_api_client,
+    token_http_session,
 )
 
 NODE_BUILD_REVISION = 1
@@ -142,19 +143,10 @@ class PodNode:
         return self._dir
 
     def api_client(self) -> ApiClient:
-        configuration = Configuration(
-            host=self.url,
-            api_key={"BearerToken": self.admin_token},
-            api_key_prefix={"BearerToken": "Bearer"},
-            ssl_ca_cert=str(self.ca_file),
-        )
-        return ApiClient(configuration)
+        return token_api_client(self.url, self.admin_token, self.ca_file)
 
     def http_session(self, **kwargs: Any) -> aiohttp.ClientSession:
-        headers = {**kwargs.pop("headers", {}), "Authorization": f"Bearer {self.admin_token}"}
-        tls = ssl.create_default_context(cafile=str(self.ca_file))
-        kwargs.setdefault("connector", aiohttp.TCPConnector(ssl=tls))
-        return aiohttp.ClientSession(base_url=self.url, headers=headers, **kwargs)
+        return token_http_session(self.url, self.admin_token, self.ca_file, **kwargs)
 
     async def expose(self, target: str | tuple[str, int], port: int) -> None:
         """Make ``target`` (a Unix socket path or a host loopback address) reachable by pods.

@@ -90,6 +90,26 @@ def scratch_parent() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+def token_api_client(url: str, token: str, ca_file: Path) -> ApiClient:
+    """A kubernetes-asyncio client of an API server, with a bearer token, verifying TLS."""
+    configuration = Configuration(
+        host=url,
+        api_key={"BearerToken": token},
+        api_key_prefix={"BearerToken": "Bearer"},
+        ssl_ca_cert=str(ca_file),
+    )
+    return ApiClient(configuration)
+
+
+def token_http_session(url: str, token: str, ca_file: Path, **kwargs: Any) -> aiohttp.ClientSession:
+    """An aiohttp session on ``url`` with a bearer token (added to given ``headers``) and TLS
+    verified against ``ca_file``; other keyword arguments go to ``aiohttp.ClientSession``."""
+    headers = {**kwargs.pop("headers", {}), "Authorization": f"Bearer {token}"}
+    tls = ssl.create_default_context(cafile=str(ca_file))
+    kwargs.setdefault("connector", aiohttp.TCPConnector(ssl=tls))
+    return aiohttp.ClientSession(base_url=url, headers=headers, **kwargs)
+
+
 class ChildProcess:
     """A child process started by the cluster, its log, and how to stop exactly it."""
 
@@ -173,13 +193,7 @@ class RealCluster:
 
     def api_client(self, *, unprivileged: bool = False) -> ApiClient:
         """A kubernetes-asyncio client for the administrator (or the user with no rights)."""
-        configuration = Configuration(
-            host=self.url,
-            api_key={"BearerToken": self._token(unprivileged)},
-            api_key_prefix={"BearerToken": "Bearer"},
-            ssl_ca_cert=str(self.ca_file),
-        )
-        return ApiClient(configuration)
+        return token_api_client(self.url, self._token(unprivileged), self.ca_file)
 
     def http_session(self, *, unprivileged: bool = False, **kwargs: Any) -> aiohttp.ClientSession:
         """An aiohttp session on ``url`` that authenticates and verifies TLS, for raw HTTP.
@@ -187,12 +201,7 @@ class RealCluster:
         Other keyword arguments go to ``aiohttp.ClientSession``; given ``headers``
         are sent along with the token.
         """
-        headers = {
-            **kwargs.pop("headers", {}),
-            "Authorization": f"Bearer {self._token(unprivileged)}",
-        }
-        kwargs.setdefault("connector", aiohttp.TCPConnector(ssl=self._ssl_context()))
-        return aiohttp.ClientSession(base_url=self.url, headers=headers, **kwargs)
+        return token_http_session(self.url, self._token(unprivileged), self.ca_file, **kwargs)
 
     # --- lifecycle -----------------------------------------------------------
 
