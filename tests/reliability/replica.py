@@ -24,7 +24,8 @@ wakes up past its lease writes nothing. With ``--fence-dsn`` they go to a
 ``PostgresFencedRepository``, where the database checks the epoch. SIGUSR1 makes
 the next fenced write pause the whole process (it sends itself SIGSTOP) after the
 writer's local lease check and before the repository call, the worst moment for
-a garbage-collection pause; on SIGCONT the write goes out with the epoch it had.
+a garbage-collection pause; on SIGCONT the write goes out with the epoch it had,
+and is answered even if the Loop cancels the reconcile meanwhile.
 """
 
 from __future__ import annotations
@@ -98,7 +99,18 @@ class PausingRepository:
         # Frozen here, event loop included, until SIGCONT; nothing can run before the
         # write resumes, just as nothing runs during a long garbage-collection pause.
         os.kill(os.getpid(), signal.SIGSTOP)
-        accepted = bool(await self.inner.apply_fenced(entity_id, epoch, mutation))
+        # The write was already under way when the process froze: it goes out and is
+        # answered even if the Loop, seeing its lease lapsed, cancels the reconcile
+        # while the write waits (for a connection, or to prepare its statement on one
+        # the pool has not used for it yet). Without the shield such a cancellation
+        # would keep the late write from the database, which is what is tested.
+        write = asyncio.ensure_future(self.inner.apply_fenced(entity_id, epoch, mutation))
+        try:
+            accepted = bool(await asyncio.shield(write))
+        except asyncio.CancelledError:
+            accepted = bool(await asyncio.shield(write))
+            self._report("answered", entity=entity_id, epoch=epoch, accepted=accepted)
+            raise
         self._report("answered", entity=entity_id, epoch=epoch, accepted=accepted)
         return accepted
 
