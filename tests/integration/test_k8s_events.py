@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
+import sys
+from pathlib import Path
 from typing import Any
 
 import kopf_reconcile as kr
 from kopf_reconcile.events import EventRecorder
 from kopf_reconcile.integration.events import KubernetesEventSink
 from support import eventually
+
+BIN = Path(sys.executable).parent  # kubectl, from `make tools`
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
 async def events_of(kube: Any, namespace: str, name: str) -> list[dict[str, Any]]:
@@ -109,3 +115,79 @@ async def test_a_new_leader_counts_on_the_event_of_the_previous_one(
         await recorder.close()
     found = [e for e in await events_of(kube, ns, "device-2") if e["reason"] == "DeadLettered"]
     assert [(e["count"], e["message"]) for e in found] == [(5, "replica-1: bad spec 1")]
+
+
+def gadget_crd(group: str) -> dict[str, Any]:
+    """A cluster-scoped kind, as operators of cluster-wide resources reconcile."""
+    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"gadgets.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Cluster",
+            "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
+        },
+    }
+
+
+async def test_a_cluster_scoped_objects_events_go_to_default_where_describe_finds_them(
+    kube: Any, api: Any
+) -> None:
+    # Events of a cluster-scoped object live in ``default``, as client-go's recorder
+    # puts them, with no namespace in ``involvedObject``; ``kubectl describe``
+    # searches every namespace for them.
+    group = f"g{secrets.token_hex(4)}.example.com"
+    name = f"gadget-{secrets.token_hex(4)}"
+    async with kube.http_session() as http:
+        async with http.post(CRDS, json=gadget_crd(group)) as response:
+            assert response.status == 201, await response.text()
+
+        async def served() -> bool:
+            async with http.get(f"/apis/{group}/v1") as response:
+                return response.status == 200
+
+        await eventually(served, timeout=30, message=f"{group}/v1 served")
+        body = {"apiVersion": f"{group}/v1", "kind": "Gadget", "metadata": {"name": name}}
+        try:
+            async with http.post(f"/apis/{group}/v1/gadgets", json=body) as response:
+                assert response.status == 201, await response.text()
+                gadget = await response.json()
+            recorder = EventRecorder(
+                KubernetesEventSink({name: gadget}.get, instance="replica-0", api=api)
+            )
+            for n in range(2):
+                recorder.record(name, "Warning", "DeadLettered", f"bad spec {n}")
+                await eventually(lambda: recorder.pending == 0)
+            await recorder.close()
+            [event] = await events_of(kube, "default", name)
+            assert (event["reason"], event["count"]) == ("DeadLettered", 2)
+            assert event["message"] == "bad spec 1"
+            assert event["involvedObject"]["kind"] == "Gadget"
+            assert "namespace" not in event["involvedObject"]
+            assert event["involvedObject"]["uid"] == gadget["metadata"]["uid"]
+            assert (BIN / "kubectl").exists(), "kubectl comes from `make tools` (make test runs it)"
+            describe = await asyncio.create_subprocess_exec(
+                str(BIN / "kubectl"),
+                f"--kubeconfig={kube.kubeconfig}",
+                "describe",
+                f"gadgets.{group}",
+                name,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await describe.communicate()
+            assert describe.returncode == 0, err.decode()
+            assert "DeadLettered" in out.decode() and "bad spec 1" in out.decode(), out.decode()
+        finally:
+            async with http.delete(f"{CRDS}/gadgets.{group}") as response:
+                assert response.status in (200, 202), await response.text()
