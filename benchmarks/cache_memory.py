@@ -24,6 +24,7 @@ import json
 import tracemalloc
 
 from kopf_reconcile.cache import LAST_APPLIED, ObjectCache, Transform, strip_managed_fields
+from results import result
 
 
 def device_json(i: int) -> str:
@@ -115,18 +116,16 @@ def main() -> None:
     print(f"  transform=None (whole bodies)           {whole:>8,.0f} B/object")
     print(f"  default transform (strip_managed_fields) {stripped:>7,.0f} B/object")
     print(f"summary: the default transform keeps {stripped / whole:.2f}x the bytes per object")
-    line = {
-        "benchmark": "cache_memory",
-        "figure": f"heap per cached object, default transform vs whole bodies ({n:,} Devices "
+    result(
+        "cache_memory",
+        f"heap per cached object, default transform vs whole bodies ({n:,} Devices "
         "as kubectl apply leaves them)",
-        "ours": [stripped],
-        "baseline": [whole],
-        "unit": "B",
-        "ratio": "ours/baseline",
-        "target": None,
-        "extra": {},
-    }
-    print("RESULT " + json.dumps(line), flush=True)  # read by scripts/bench.py
+        ours=[stripped],
+        baseline=[whole],
+        unit="B",
+        ratio="ours/baseline",
+        target=None,
+    )
 
 
 if __name__ == "__main__":

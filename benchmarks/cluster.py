@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
+from results import result
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
 MERGE = {"Content-Type": "application/merge-patch+json"}
@@ -165,18 +166,17 @@ async def main(requests: int, window: int) -> None:
     print(f"internal sizes after {window:,}: {sizes_early}")
     print(f"internal sizes after {requests:,}: {sizes_late}")
     print(f"max RSS: {rss_early:.1f} MiB -> {rss_late:.1f} MiB")
-    line = {
-        "benchmark": "cluster",
-        "figure": "embedded API server requests/s (the test harness) vs a bare aiohttp handler",
-        "ours": [middle_rate],
-        "baseline": [baseline],
-        "unit": "/s",
-        "ratio": "ours/baseline",
-        "target": [">=", 1000],
-        "target_applies_to": "ours_median",
-        "extra": {"p50 latency flatness (last/first)": flat_p50},
-    }
-    print("RESULT " + json.dumps(line), flush=True)  # read by scripts/bench.py
+    result(
+        "cluster",
+        "embedded API server requests/s (the test harness) vs a bare aiohttp handler",
+        ours=[middle_rate],
+        baseline=[baseline],
+        unit="/s",
+        ratio="ours/baseline",
+        target=(">=", 1000),
+        target_applies_to="ours_median",
+        extra={"p50 latency flatness (last/first)": flat_p50},
+    )
 
 
 if __name__ == "__main__":

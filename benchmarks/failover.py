@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import signal
 import statistics
@@ -33,6 +32,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from results import result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
 
@@ -93,18 +94,16 @@ async def graceful_run(store: list[str], ttl: float, renew: float, rng: random.R
 
 def summary(label: str, times: list[float], ttl: float, goal: float, elector: str = "") -> str:
     """The printed line; also a ``RESULT`` line for scripts/bench.py (the TTL as baseline)."""
-    line = {
-        "benchmark": "failover",
-        "figure": f"{elector}: {label} to the first reconcile of the new leader, TTL {ttl:g}s",
-        "ours": times,
-        "baseline": [ttl],
-        "unit": "s",
-        "ratio": "ours/baseline",
-        "target": ["<=", goal],
-        "target_applies_to": "ours_max",
-        "extra": {},
-    }
-    print("RESULT " + json.dumps(line), flush=True)
+    result(
+        "failover",
+        f"{elector}: {label} to the first reconcile of the new leader, TTL {ttl:g}s",
+        ours=times,
+        baseline=[ttl],
+        unit="s",
+        ratio="ours/baseline",
+        target=("<=", goal),
+        target_applies_to="ours_max",
+    )
     median, worst = statistics.median(times), max(times)
     verdict = "goal met" if worst <= goal else "GOAL MISSED"
     return (

@@ -45,6 +45,7 @@ import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.testing import EmbeddedPostgres
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
+from results import result
 
 TARGET_RATIO = 0.8
 EPOCH = 1
@@ -225,17 +226,15 @@ async def main(arguments: argparse.Namespace) -> None:
         verdict = "meets" if ratio >= TARGET_RATIO else "MISSES"
         print(f"ratio {name} / raw: {ratio:.2f}x ({verdict} the {TARGET_RATIO}x target)")
     for name in (REPOSITORY, WRITER):
-        line = {
-            "benchmark": "fenced_writes",
-            "figure": f"writes/s, {name} vs a raw asyncpg upsert",
-            "ours": all_rates[name],
-            "baseline": all_rates[RAW],
-            "unit": "/s",
-            "ratio": "ours/baseline",
-            "target": [">=", TARGET_RATIO],
-            "extra": {},
-        }
-        print("RESULT " + json.dumps(line), flush=True)  # read by scripts/bench.py
+        result(
+            "fenced_writes",
+            f"writes/s, {name} vs a raw asyncpg upsert",
+            ours=all_rates[name],
+            baseline=all_rates[RAW],
+            unit="/s",
+            ratio="ours/baseline",
+            target=(">=", TARGET_RATIO),
+        )
 
 
 def parse_arguments() -> argparse.Namespace:

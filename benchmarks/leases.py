@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import time
 from collections.abc import Awaitable, Callable
 
@@ -24,6 +23,7 @@ from aiohttp import web
 
 import kopf_reconcile as kr
 from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
+from results import result
 
 CLIENT_GO_WRITES_PER_MINUTE = 60 / 2  # one renewal (a PUT) every RetryPeriod of 2 s
 
@@ -93,18 +93,17 @@ def main() -> None:
             f"{size:>11}  {writes * per_minute:>10.0f}  {writes * per_minute / size:>9.1f}  "
             f"{total * per_minute:>8.0f}  {counted}"
         )
-        line = {
-            "benchmark": "leases",
-            "figure": f"Lease writes per minute per lease, {size} reconciler(s) in one process, "
+        result(
+            "leases",
+            f"Lease writes per minute per lease, {size} reconciler(s) in one process, "
             "vs client-go at its defaults",
-            "ours": [writes * per_minute / size],
-            "baseline": [CLIENT_GO_WRITES_PER_MINUTE],
-            "unit": "/min",
-            "ratio": "ours/baseline",
-            "target": None,
-            "extra": {"all Lease requests per minute": total * per_minute},
-        }
-        print("RESULT " + json.dumps(line), flush=True)  # read by scripts/bench.py
+            ours=[writes * per_minute / size],
+            baseline=[CLIENT_GO_WRITES_PER_MINUTE],
+            unit="/min",
+            ratio="ours/baseline",
+            target=None,
+            extra={"all Lease requests per minute": total * per_minute},
+        )
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import logging
 import tracemalloc
 from pathlib import Path
 
 import kopf_reconcile as kr
+from results import result
 
 PAGE = 4096
 
@@ -104,17 +104,15 @@ def main() -> None:
         (f"heap per entity, {n:,} entities in backoff, vs their ids alone", backoff_per, None),
         (f"heap per entity left after {n:,} entities succeeded, vs their ids", after_per, 0.05),
     ):
-        line = {
-            "benchmark": "memory",
-            "figure": figure,
-            "ours": [value],
-            "baseline": [id_cost / n],
-            "unit": "B",
-            "ratio": "ours/baseline",
-            "target": None if target is None else ["<=", target],
-            "extra": {},
-        }
-        print("RESULT " + json.dumps(line), flush=True)  # read by scripts/bench.py
+        result(
+            "memory",
+            figure,
+            ours=[value],
+            baseline=[id_cost / n],
+            unit="B",
+            ratio="ours/baseline",
+            target=None if target is None else ("<=", target),
+        )
 
 
 if __name__ == "__main__":

@@ -13,10 +13,16 @@ def result(
     baseline: list[float],
     unit: str,
     ratio: str,
-    target: tuple[str, float],
+    target: tuple[str, float] | None,
+    target_applies_to: str = "ratio",
     extra: dict[str, float] | None = None,
 ) -> None:
-    """One machine-readable line for scripts/bench.py (RESULTS.md)."""
+    """One machine-readable line for scripts/bench.py (RESULTS.md).
+
+    ``target`` is ``(operator, value)``, such as ``(">=", 0.5)``, or ``None`` for a
+    figure reported without one; it applies to the ratio unless ``target_applies_to``
+    names ``ours_median`` or ``ours_max``.
+    """
     line = {
         "benchmark": benchmark,
         "figure": figure,
@@ -24,7 +30,8 @@ def result(
         "baseline": baseline,
         "unit": unit,
         "ratio": ratio,
-        "target": list(target),
+        "target": None if target is None else list(target),
+        "target_applies_to": target_applies_to,
         "extra": extra or {},
     }
     print("RESULT " + json.dumps(line), flush=True)
