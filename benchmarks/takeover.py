@@ -15,17 +15,21 @@ reconcile) on an idle Loop and during the resync (changes made every 20 ms while
 runs), and the time the resync takes alone and with those changes. Targets (issue 16):
 fresh latency during the resync <= 5x its idle latency; the resync with changes within
 10 % of its time alone. A final ``RESULT`` line per figure is read by
-``scripts/bench.py``.
+``scripts/bench.py``. ``--plot PATH`` draws the first run's resync with changes, for
+both queues, as a PNG: the queue depth and each fresh change's latency over time
+(matplotlib, from the ``bench`` extra).
 
-    python benchmarks/takeover.py [--objects N] [--runs R] [--intake N]
+    python benchmarks/takeover.py [--objects N] [--runs R] [--intake N] [--plot PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import kopf_reconcile as kr
@@ -37,6 +41,7 @@ from results import result
 WORK = 0.001  # seconds of simulated I/O per reconcile
 CONCURRENCY = 8
 CHANGE_EVERY = 0.02  # seconds between two fresh changes during the resync
+SAMPLE_EVERY = 0.01  # seconds between two samples of the queue depth (for the plot)
 LAST = "bench/fresh-last"  # created after the others: taken once they all were
 
 
@@ -64,6 +69,14 @@ def device(name: str, generation: int) -> dict[str, Any]:
         },
         "spec": {"desired": "on", "generation": generation},
     }
+
+
+@dataclasses.dataclass
+class Timeline:
+    """One resync with changes, over time (seconds from its start): for the plot."""
+
+    depth: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    latency: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 class Bench:
@@ -117,7 +130,9 @@ class Bench:
         await self.cache.update(entity, device(f"fresh{i}", self.generation))
         return await done - started
 
-    async def resync(self, with_changes: bool) -> tuple[float, list[float]]:
+    async def resync(
+        self, with_changes: bool, timeline: Timeline | None = None
+    ) -> tuple[float, list[float]]:
         """Run a resync-all; its duration and the latencies of changes made meanwhile."""
         self.resync_left = self.objects
         self.resync_done.clear()
@@ -132,11 +147,23 @@ class Bench:
                 await asyncio.sleep(CHANGE_EVERY)
                 if self.resync_done.is_set():
                     return
+                made = time.perf_counter() - started
                 latencies.append(await self.change(i))
+                if timeline is not None:
+                    timeline.latency.append((made, latencies[-1]))
                 i += 1
 
+        async def sample() -> None:
+            assert timeline is not None
+            while True:
+                timeline.depth.append((time.perf_counter() - started, self.loop.stats().queued))
+                await asyncio.sleep(SAMPLE_EVERY)
+
         changing = asyncio.create_task(changes()) if with_changes else None
+        sampling = asyncio.create_task(sample()) if timeline is not None else None
         await self.resync_done.wait()
+        if sampling is not None:
+            sampling.cancel()
         elapsed = time.perf_counter() - started
         self.resyncing = False
         if changing is not None:
@@ -144,13 +171,15 @@ class Bench:
         return elapsed, latencies
 
 
-async def one_run(objects: int, lanes: bool, intake: int) -> dict[str, float]:
+async def one_run(
+    objects: int, lanes: bool, intake: int, timeline: Timeline | None = None
+) -> dict[str, float]:
     bench = Bench(objects, lanes, intake)
     async with bench.loop:
         await bench.fill()
         idle = [await bench.change(i) for i in range(20)]
         alone, _ = await bench.resync(with_changes=False)
-        with_changes, during = await bench.resync(with_changes=True)
+        with_changes, during = await bench.resync(with_changes=True, timeline=timeline)
     return {
         "idle_latency": statistics.median(idle),
         "resync_latency": statistics.median(during),
@@ -160,6 +189,37 @@ async def one_run(objects: int, lanes: bool, intake: int) -> dict[str, float]:
     }
 
 
+def plot(timelines: dict[str, Timeline], objects: int, path: Path) -> None:
+    """Queue depth and fresh-change latency during the resync, both queues, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to the file only
+    from matplotlib import pyplot
+
+    figure, (depth_axes, latency_axes) = pyplot.subplots(2, 1, figsize=(8, 6), sharex=True)
+    colors = {"lanes": "tab:blue", "fifo": "tab:red"}
+    labels = {"lanes": "fresh and resync lanes", "fifo": "one FIFO lane (before)"}
+    for name, timeline in timelines.items():
+        depth_axes.plot(*zip(*timeline.depth, strict=True), color=colors[name], label=labels[name])
+        latency_axes.plot(
+            *zip(*((t, latency * 1e3) for t, latency in timeline.latency), strict=True),
+            "o",
+            markersize=3,
+            color=colors[name],
+            label=labels[name],
+        )
+    depth_axes.set_ylabel("queued entities")
+    depth_axes.set_title(f"Takeover: resync-all of {objects:,} cached objects with fresh changes")
+    depth_axes.legend()
+    latency_axes.set_yscale("log")
+    latency_axes.set_ylabel("fresh-change latency (ms)")
+    latency_axes.set_xlabel("seconds since the resync began (a change: when it was made)")
+    latency_axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--objects", type=int, default=10_000)
@@ -167,6 +227,7 @@ def main() -> None:
     parser.add_argument(
         "--intake", type=int, default=0, help="intake capacity (0: the Loop's default, 100,000)"
     )
+    parser.add_argument("--plot", type=Path, help="write the first run's timelines as a PNG")
     args = parser.parse_args()
     print(
         f"takeover: {args.objects:,} cached objects, resync-all with {CONCURRENCY} workers, "
@@ -174,9 +235,14 @@ def main() -> None:
         f"{CHANGE_EVERY * 1000:g} ms during the resync; {args.runs} runs per queue"
     )
     runs: dict[str, list[dict[str, float]]] = {"lanes": [], "fifo": []}
-    for _ in range(args.runs):
+    timelines = {name: Timeline() for name in runs} if args.plot else {}
+    for n in range(args.runs):
         for name, outcomes in runs.items():
-            outcomes.append(asyncio.run(one_run(args.objects, name == "lanes", args.intake)))
+            timeline = timelines.get(name) if n == 0 else None
+            run = one_run(args.objects, name == "lanes", args.intake, timeline)
+            outcomes.append(asyncio.run(run))
+    if args.plot:
+        plot(timelines, args.objects, args.plot)
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])

@@ -43,7 +43,7 @@ class Benchmark:
 # Sizes chosen for the 15-minute budget; each file's --help has the full-size options.
 PLAN = [
     Benchmark("dispatch", [], 240),
-    Benchmark("takeover", ["--runs", "3"], 180),
+    Benchmark("takeover", ["--runs", "3", "--plot", "benchmarks/takeover.png"], 180),
     Benchmark("memory", [], 120),
     Benchmark("cache_memory", [], 120),
     Benchmark("fenced_writes", [], 180),
@@ -288,6 +288,13 @@ def write(path: Path, results: list[tuple[Benchmark, str, list[Figure], float, s
             report,
             "```",
             "",
+        ]
+        # A plot the benchmark drew (``plot: PATH`` from the project root), shown here.
+        plots = [ROOT / line[6:] for line in report.splitlines() if line.startswith("plot: ")]
+        out += [
+            f"![{benchmark.name}]({plot.relative_to(path.parent)})\n"
+            for plot in plots
+            if plot.is_relative_to(path.parent)
         ]
     path.write_text("\n".join(out))
 
