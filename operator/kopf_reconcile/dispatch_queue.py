@@ -4,9 +4,11 @@
 without a clock or asyncio. :class:`DispatchQueue` puts it on the running event loop,
 as client-go's delaying queue sits over its queue:
 
-* **intake**: :meth:`DispatchQueue.put` is what a trigger's ``emit`` awaits. While the
-  Loop dispatches and ``capacity`` entities are ready, a new entity waits for room
-  (backpressure, never a drop); an entity already ready or running never waits. A Loop
+* **intake**: :meth:`DispatchQueue.offer` adds an entity at once when it need not wait
+  for room, and :meth:`DispatchQueue.put` is what a trigger's ``emit`` awaits otherwise
+  (the Loop tries ``offer`` first, so a request that finds room costs no coroutine).
+  While the Loop dispatches and ``capacity`` entities are ready, a new entity waits for
+  room (backpressure, never a drop); an entity already ready or running never waits. A Loop
   that does not dispatch (a follower) keeps each id once and never blocks its triggers.
   The two lanes of the work queue have their room counted apart: a fresh entity waits
   only while ``capacity`` fresh ones are ready, so a full resync never holds back a
@@ -25,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kopf_reconcile.workqueue import WorkQueue
 
@@ -95,21 +97,26 @@ class DispatchQueue:
 
         ``resync``: in the resync lane (see :class:`~kopf_reconcile.workqueue.WorkQueue`).
         """
-        queue = self.work_queue
-        capacity = self._capacity
         waiters = self._waiting_for_room if resync else self._waiting_fresh
-        while (
-            self.dispatching
-            and (queue.ready_count if resync else queue.ready_count - queue.resync_count)
-            >= capacity
-            and not queue.is_ready(entity)
-            and not queue.is_processing(entity)
-            and not self._closed
-        ):
+        while not self.offer(entity, resync=resync):
             room = self._event_loop.create_future()
             waiters.append(room)
             await room
+
+    def offer(self, entity: str, *, resync: bool = False) -> bool:
+        """Add ``entity`` unless it must wait for room (see :meth:`put`); whether it was added."""
+        if self.dispatching:
+            queue = self.work_queue
+            ready = queue.ready_count
+            if (
+                (ready if resync else ready - queue.resync_count) >= self._capacity
+                and not queue.is_ready(entity)
+                and not queue.is_processing(entity)
+                and not self._closed
+            ):
+                return False
         self.add(entity, resync=resync)
+        return True
 
     def add(self, entity: str, *, resync: bool = False) -> None:
         """Add ``entity`` now (no backpressure), waking a worker if it became ready."""
@@ -152,6 +159,28 @@ class DispatchQueue:
 
     def done_permanent(self, entity: str) -> None:
         self.work_queue.done_permanent(entity, self.now())
+
+    def bury(self, entity: str) -> bool:
+        """Mark dead an entity dead-lettered elsewhere (see :meth:`WorkQueue.bury`)."""
+        queue = self.work_queue
+        ready = queue.ready_count
+        buried = queue.bury(entity)
+        self._made_room(ready - queue.ready_count)
+        return buried
+
+    def replace_dead(self, entities: Iterable[str]) -> None:
+        """Make the dead set a store's dead letters (see :meth:`WorkQueue.replace_dead`)."""
+        self._made_room(self.work_queue.replace_dead(entities))
+
+    def _made_room(self, freed: int) -> None:
+        """``freed`` ready entities left the queue without a worker: wake as many waiters."""
+        for _ in range(freed):
+            if not self._waiting_for_room and not self._waiting_fresh:
+                return
+            if self._waiting_for_room:
+                _wake_one(self._waiting_for_room)
+            if self._waiting_fresh:
+                _wake_one(self._waiting_fresh)
 
     def done_requeue(self, entity: str) -> None:
         """The run ended without an outcome (cancelled, fenced): ready again, no backoff."""

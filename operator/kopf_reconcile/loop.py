@@ -15,10 +15,12 @@ from the result. Its configuration, defaults and their validation are
 Leadership. With a :class:`LeaderElector`, only the holder of a live lease
 dispatches: workers exist only while the lease is held. Followers keep
 queuing (deduplicated), so nothing is lost at failover, and a new leader also
-runs a resync-all. The lease is renewed every ``renew_interval``; when no
-renewal has succeeded for the renew deadline (2/3 of the TTL, see
-:mod:`kopf_reconcile.leader.timing`; measured on the event loop's monotonic
-clock from when the last successful renewal was *sent*) or the elector says
+runs a resync-all (with a durable dead-letter store, only once it has loaded the
+store's dead letters, bounded: see :mod:`kopf_reconcile.dead_letters`). The lease
+is renewed every ``renew_interval``; when no renewal has succeeded for the renew
+deadline (2/3 of the TTL, see :mod:`kopf_reconcile.leader.timing`; measured on the
+event loop's monotonic clock from when the last successful renewal was *sent*) or the
+elector says
 the lease is lost, the Loop steps down at once: in-flight reconciles are
 cancelled, dispatch stops, and it goes back to acquiring (the control plane
 is :class:`~kopf_reconcile.control.holding.LeaseHolder`;
@@ -64,7 +66,7 @@ import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Self
 
@@ -145,6 +147,7 @@ class Loop:
         self._trigger_tasks: list[asyncio.Task[None]] = []
         self._running: dict[str, asyncio.Task[None]] = {}  # entity -> its worker
         self._queue: DispatchQueue | None = None  # made on the event loop, by start()
+        self._added: asyncio.Future[None] | None = None  # what emit returns once it added
         self._metrics = BoundMetrics(None, self._name)
         self._metrics_enabled = False
         self._tenant_scoped = config.tenancy is Tenancy.TENANT_SCOPED
@@ -192,9 +195,13 @@ class Loop:
             concurrency=cfg.concurrency,
             on_add=self._count_add if cfg.metrics is not None else None,
         )
+        self._added = asyncio.get_running_loop().create_future()
+        self._added.set_result(None)
+        controller, shard = cfg.metric_labels or (self._name, "")
         self._metrics = BoundMetrics(
             cfg.metrics,
-            self._name,
+            controller,
+            shard=shard,
             # A follower dispatches nothing: what it keeps is a backlog for a failover,
             # not work waiting, and must not look like a stuck queue to alerts.
             depth=lambda: queue.ready_count if queue.dispatching else 0,
@@ -211,6 +218,7 @@ class Loop:
                 name=self._name,
                 epoch=self._epoch,
                 redrive=queue.add,
+                replace_dead=queue.replace_dead,
                 interval=cfg.redrive_interval,
             )
         self._metrics_enabled = cfg.metrics is not None
@@ -382,18 +390,26 @@ class Loop:
 
     # -- intake ----------------------------------------------------------------
 
-    async def _emit(self, request: Request, *, resync: bool = False) -> None:
+    def _emit(self, request: Request, *, resync: bool = False) -> Awaitable[None]:
+        """The triggers' ``emit``: done at once when the intake has room, else waiting for it.
+
+        Not a coroutine function: a request that finds room (the common case) is added
+        right here and gets an already completed awaitable, with no coroutine to run.
+        """
         if type(request) is not Request or type(request.entity_id) is not str:
             raise TypeError(
                 f"a trigger of loop {self._name!r} emitted {request!r}; "
                 "expected kopf_reconcile.Request(entity_id: str)"
             )
-        assert self._queue is not None
-        await self._queue.put(request.entity_id, resync=resync)
+        queue = self._queue
+        assert queue is not None and self._added is not None
+        if queue.offer(request.entity_id, resync=resync):
+            return self._added
+        return queue.put(request.entity_id, resync=resync)
 
-    async def _emit_resync(self, request: Request) -> None:
+    def _emit_resync(self, request: Request) -> Awaitable[None]:
         """A re-observation (the resync lane): fresh requests go first."""
-        await self._emit(request, resync=True)
+        return self._emit(request, resync=True)
 
     def _count_add(self) -> None:
         self._metrics.adds.inc()
@@ -424,7 +440,7 @@ class Loop:
                     queue.work_queue.trim()
                 await queue.wait_for_work()
                 continue
-            if self._lease_expired():
+            if self._holder is not None and self._lease_expired():
                 continue  # dispatch closed; the control plane steps down
             entity, since = queue.take()
             await self._process(queue, entity, since, task)
@@ -501,9 +517,11 @@ class Loop:
             return
         cfg = self._config
         if requeue_after:
-            self._metrics.results["requeue_after"].inc()
+            if self._metrics_enabled:
+                self._metrics.results["requeue_after"].inc()
         else:
-            self._metrics.results["success"].inc()
+            if self._metrics_enabled:
+                self._metrics.results["success"].inc()
             requeue_after = requeue_jitter(cfg.rng, cfg.interval) if cfg.default_requeue else None
         queue.done_success(entity, requeue_after)
         if self._events is not None:
@@ -642,11 +660,21 @@ class Loop:
         await self._recorder.record_epoch(token.epoch, token.holder_id)
 
     def _on_lead(self, token: LeaseToken) -> None:
+        if self._durable is not None:
+            # The store's dead letters first (bounded: see kopf_reconcile.dead_letters), so
+            # neither the resync-all nor a worker runs one before it is known dead; then
+            # dispatch, then the store's redrive requests.
+            self._durable.lead(self._dispatch)
+        else:
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Start dispatching as the leader: open, resync-all, workers."""
         assert self._queue is not None
+        if self._stopping or not self._is_leader():
+            return
         self._queue.open()
         self._queue.add(RESYNC_ALL)  # a new leader re-observes everything
-        if self._durable is not None:
-            self._durable.lead()  # the store's dead letters, then its redrive requests
         self._spawn_workers()
 
     def _on_lose(self) -> set[asyncio.Task[None]]:

@@ -1,10 +1,14 @@
 """Sources of reconcile work.
 
 A :class:`Trigger` runs until cancelled and hands requests to the Loop with
-``await emit(request)``. ``emit`` applies backpressure: it blocks while the
-loop's intake is full and never drops a request. Deduplication, delays and
-backoff live in the Loop, not in triggers. The Loop owns the trigger tasks:
-it starts each under :func:`supervise`, which restarts one that crashes (with
+``await emit(request)``. ``emit`` is a callable returning an awaitable (a Loop's is
+not a coroutine function), and a trigger must await what it returns: when the
+loop's intake has room, the request is taken when ``emit`` is called and the
+awaitable is already done; when it is full, the request is taken once the awaitable
+completes (backpressure: it blocks until there is room, and never drops a request).
+Calling ``emit`` without awaiting the result may therefore lose that request.
+Deduplication, delays and backoff live in the Loop, not in triggers. The Loop owns
+the trigger tasks: it starts each under :func:`supervise`, which restarts one that crashes (with
 backoff), and cancels them on stop, so a trigger cannot leak a task.
 
 Lanes. The ``emit`` a Loop hands its triggers is an :class:`Emitter`: besides
@@ -24,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from kopf_reconcile.api import RESYNC_ALL, ConfigError, Duration, Request, positive_seconds
 
+# Call it, then await what it returns (see the module docstring).
 Emit = Callable[[Request], Awaitable[None]]
 
 
@@ -58,7 +63,11 @@ class Trigger(Protocol):
     """A producer of requests; runs until cancelled."""
 
     async def run(self, emit: Emit) -> None:
-        """Emit requests until cancelled (returning means the source is exhausted)."""
+        """Emit requests until cancelled (returning means the source is exhausted).
+
+        ``await emit(request)`` for each: ``emit`` returns an awaitable that must be
+        awaited (done at once when the intake has room, else once it has).
+        """
         ...
 
 

@@ -247,7 +247,7 @@ async def test_a_swallowed_cancellation_still_ends_the_reconcile() -> None:
     await loop.enqueue(kr.Request("a"))
     await started.wait()
     await loop.stop(timeout=0.05)
-    value = registry.reconcile_total.labels("swallower", "canceled")._value.get()
+    value = registry.reconcile_total.labels("swallower", "", "canceled")._value.get()
     assert value == 1
     assert loop._queue.work_queue.failures_of("a") == 0
 

@@ -206,7 +206,13 @@ def test_hundred_thousand_entities_through_failure_then_success_leave_nothing() 
 
 
 class WorkQueueMachine(RuleBasedStateMachine):
-    """Random interleavings of triggers (fresh and resync), timers and worker outcomes."""
+    """Random interleavings of triggers (fresh and resync), timers and worker outcomes.
+
+    The model keeps what a resync may not override: a dead letter (only a fresh trigger
+    revives it) and a backoff (only a fresh trigger cuts it short); and which ready
+    entities a fresh trigger put there (the only ones a loaded dead letter spares: a
+    timer, a resync or an interrupted run is no change).
+    """
 
     entities = st.sampled_from([f"e{i}" for i in range(5)])
     BURST = 2
@@ -219,14 +225,25 @@ class WorkQueueMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.processing: set[str] = set()
         self.pending: set[str] = set()  # triggered, not yet picked up by a run
+        self.dirty: dict[str, bool] = {}  # processing and triggered -> by a fresh trigger
+        self.dead: set[str] = set()  # dead-lettered, no fresh trigger since
+        self.backing_off: set[str] = set()  # waiting for a retry after a failure
         self.fresh_run = 0  # fresh hand-outs in a row while resync entities waited
         self.resync_order: list[str] = []  # the resync lane as the model sees it (FIFO)
+        self.changed: set[str] = set()  # ready because of a fresh trigger (the fresh lane)
+        self.buried_running: set[str] = set()  # buried while processing
 
     @rule(entity=entities)
     def trigger(self, entity: str) -> None:
         was_resync = self.q.is_resync(entity)
         self.q.add(entity, self.now)
         self.pending.add(entity)
+        self.dead.discard(entity)  # a fresh trigger revives a dead letter ...
+        self.backing_off.discard(entity)  # ... and cuts a backoff short
+        if entity in self.processing:
+            self.dirty[entity] = True
+        else:
+            self.changed.add(entity)
         if was_resync:  # a fresh trigger moves it to the fresh lane
             assert self.q.is_ready(entity) and not self.q.is_resync(entity)
             self.resync_order.remove(entity)
@@ -235,22 +252,76 @@ class WorkQueueMachine(RuleBasedStateMachine):
     def trigger_resync(self, entity: str) -> None:
         was_ready = self.q.is_ready(entity)
         was_resync = self.q.is_resync(entity)
-        self.q.add(entity, self.now, resync=True)
+        due = self.q.due_of(entity)
+        became_ready = self.q.add(entity, self.now, resync=True)
+        if entity in self.dead or entity in self.backing_off:
+            # Nothing changed: the dead letter stays, the backoff's retry stays pending.
+            assert not became_ready and not self.q.is_ready(entity)
+            assert self.q.is_dead(entity) == (entity in self.dead)
+            assert self.q.due_of(entity) == due
+            return
         self.pending.add(entity)
-        if was_ready:  # already ready: stays in its lane, once
+        if entity in self.processing:
+            self.dirty.setdefault(entity, False)
+        elif was_ready:  # already ready: stays in its lane, once
             assert self.q.is_resync(entity) == was_resync
-        elif not self.q.is_processing(entity):
+        else:
             assert self.q.is_resync(entity)
             self.resync_order.append(entity)
 
-    @rule(entity=entities, delay=st.floats(0.01, 5))
+    @rule(entity=entities, delay=st.floats(0.01, 5) | st.floats(55, 200))  # near and far
     def trigger_later(self, entity: str, delay: float) -> None:
-        self.q.add_after(entity, delay, self.now)
+        set_at = self.q.add_after(entity, delay, self.now)
+        if entity in self.dead:
+            assert set_at is None and self.q.is_dead(entity), "a timer revived a dead letter"
 
-    @rule(step=st.floats(0, 3))
+    @rule(step=st.floats(0, 3) | st.floats(50, 150))
     def time_passes(self, step: float) -> None:
         self.now += step
+        for entity in self.processing:
+            due = self.q.due_of(entity)
+            if due is not None and due <= self.now:
+                self.dirty.setdefault(entity, False)
         self.q.pop_due(self.now)  # due entities join the fresh lane
+        for entity in list(self.backing_off):
+            if self.q.is_ready(entity):  # its retry came
+                self.backing_off.discard(entity)
+
+    def _expect_buried(self, entity: str, buried: bool) -> None:
+        if entity in self.processing:
+            assert not buried
+            if not self.dirty.get(entity):
+                self.buried_running.add(entity)  # dead if the run ends interrupted
+            return
+        if entity in self.changed:
+            assert not buried, "a dead letter overrode a fresh trigger"
+            assert self.q.is_ready(entity) and not self.q.is_dead(entity)
+            return
+        assert buried or entity in self.dead, "a timer or an interrupted run spared a dead letter"
+        assert self.q.is_dead(entity) and not self.q.is_ready(entity)
+        self.dead.add(entity)
+        self.backing_off.discard(entity)
+        self.pending.discard(entity)  # a resync, a timer: no change, it waits with the letter
+        if entity in self.resync_order:
+            self.resync_order.remove(entity)
+
+    @rule(entity=entities)
+    def bury(self, entity: str) -> None:
+        """A dead letter loaded from a durable store."""
+        self._expect_buried(entity, self.q.bury(entity))
+
+    @rule(letters=st.sets(entities))
+    def replace_dead(self, letters: set[str]) -> None:
+        """A new leader's dead letters replace the dead set (the store cleared the others)."""
+        ready_before = self.q.ready_count
+        freed = self.q.replace_dead(letters)
+        assert freed == ready_before - self.q.ready_count
+        for entity in self.dead - letters:
+            assert not self.q.is_dead(entity) and not self.q.is_ready(entity)
+        self.dead &= letters
+        self.buried_running &= letters
+        for entity in sorted(letters):
+            self._expect_buried(entity, self.q.is_dead(entity) and entity not in self.dead)
 
     @precondition(lambda self: self.q.ready_count > 0)
     @rule()
@@ -259,6 +330,8 @@ class WorkQueueMachine(RuleBasedStateMachine):
         resync_waiting = self.q.resync_count
         entity, _ = self.q.get()
         assert entity not in self.processing, "two concurrent reconciles of one entity"
+        assert entity not in self.dead, "a dead letter ran without a fresh trigger"
+        assert entity not in self.backing_off, "a retry ran before its backoff"
         took_resync = bool(self.resync_order) and entity == self.resync_order[0]
         if entity in self.resync_order:
             assert took_resync, "the resync lane is not FIFO"
@@ -274,6 +347,7 @@ class WorkQueueMachine(RuleBasedStateMachine):
             self.fresh_run = 0
         self.processing.add(entity)
         self.pending.discard(entity)
+        self.changed.discard(entity)
 
     @precondition(lambda self: bool(self.processing))
     @rule(
@@ -283,6 +357,7 @@ class WorkQueueMachine(RuleBasedStateMachine):
     def worker_finishes(self, data: st.DataObject, outcome: str) -> None:
         entity = data.draw(st.sampled_from(sorted(self.processing)))
         self.processing.remove(entity)
+        dirty = self.dirty.pop(entity, None)
         if outcome == "success":
             self.q.done_success(entity, self.now, None)
         elif outcome == "requeue":
@@ -293,8 +368,33 @@ class WorkQueueMachine(RuleBasedStateMachine):
             self.q.done_permanent(entity, self.now)
         else:
             self.q.done_requeue(entity, self.now)
+        if entity in self.buried_running:
+            self.buried_running.remove(entity)
+            if outcome == "interrupted" and not dirty:
+                # Buried while it ran, and no change since: dead, not re-run.
+                assert self.q.is_dead(entity) and not self.q.is_ready(entity)
+                self.pending.discard(entity)
+                self.dead.add(entity)
+                return
+        if dirty:
+            self.changed.add(entity)  # the re-run a fresh trigger asked for
+        if outcome in ("error", "permanent") and not dirty:
+            # Only a fresh trigger during the run overrides its backoff or dead letter.
+            assert not self.q.is_ready(entity), "a resync or a timer overrode the outcome"
+            self.pending.discard(entity)
+            if outcome == "error":
+                self.backing_off.add(entity)
+            else:
+                self.dead.add(entity)
+        elif dirty is not None or outcome == "interrupted":
+            assert self.q.is_ready(entity), "a trigger during processing was lost"
         if entity in self.pending:
             assert self.q.is_ready(entity), "a trigger during processing was lost"
+
+    @invariant()
+    def changed_entities_wait_in_the_fresh_lane(self) -> None:
+        for entity in self.changed:
+            assert self.q.is_ready(entity) and not self.q.is_resync(entity)
 
     @invariant()
     def the_model_lane_matches(self) -> None:
@@ -305,6 +405,15 @@ class WorkQueueMachine(RuleBasedStateMachine):
     def no_trigger_is_lost(self) -> None:
         for entity in self.pending:
             assert self.q.is_ready(entity) or self.q.is_processing(entity)
+
+    @invariant()
+    def dead_letters_and_backoffs_hold(self) -> None:
+        for entity in [f"e{i}" for i in range(5)]:
+            assert self.q.is_dead(entity) == (entity in self.dead), entity
+        for entity in self.dead:
+            assert not self.q.is_ready(entity) and self.q.due_of(entity) is None
+        for entity in self.backing_off:
+            assert not self.q.is_ready(entity) and self.q.due_of(entity) is not None
 
     @invariant()
     def ready_and_processing_are_disjoint_and_unique(self) -> None:
@@ -326,6 +435,7 @@ class WorkQueueMachine(RuleBasedStateMachine):
                 self.q.done_success(entity, self.now, None)
             if not self.q.delayed_count:
                 break
+        assert self.q.next_due() is None  # (which also drops superseded heap entries)
         fp = self.q.footprint()
         del fp["dead"]  # dead letters wait for a fresh trigger by design
         assert fp == dict.fromkeys(fp, 0), fp
@@ -343,7 +453,7 @@ def test_timers_superseded_by_fresh_triggers_do_not_linger() -> None:
     while q.ready_count:
         entity, _ = q.get()
         q.done_error(entity, 0)
-    assert q.footprint()["heap"] == n
+    assert q.footprint()["heap"] + q.footprint()["far"] == n
     for i in range(n):  # fresh triggers supersede every backoff, then everything succeeds
         q.add(f"e{i}", 1)
     while q.ready_count:
@@ -353,6 +463,33 @@ def test_timers_superseded_by_fresh_triggers_do_not_linger() -> None:
     assert footprint["heap"] <= 1024, footprint
     del footprint["heap"]
     assert footprint == dict.fromkeys(footprint, 0), footprint
+
+
+def test_far_timers_wait_outside_the_heap_and_fire_on_time() -> None:
+    q = make()
+    for i in range(1000):
+        q.add_after(f"e{i}", 3600 + i, 0)  # default requeues: hours ahead
+    assert q.footprint()["heap"] == 0 and q.footprint()["far"] == 1000
+    assert q.next_due() == 3600
+    for i in range(500):
+        q.add(f"e{i}", 1)  # superseded by triggers: nothing stays behind
+    while q.ready_count:
+        q.done_success(q.get()[0], 1, None)
+    assert q.footprint()["far"] == 500 and q.next_due() is not None
+    assert q.next_due() <= 4100  # a lower bound: it may wake early, never late
+    assert q.pop_due(4099.9) == 0
+    assert q.pop_due(4100) == 1 and q.get()[0] == "e500"
+    assert q.footprint()["heap"] <= 60 + 1  # only what is within the horizon entered it
+    assert q.pop_due(5000) == 499
+    assert q.footprint()["far"] == 0
+
+
+def test_an_earlier_near_time_supersedes_a_far_one() -> None:
+    q = make()
+    q.add_after("a", 3600, 0)
+    q.add_after("a", 5, 0)
+    assert q.due_of("a") == 5 and q.footprint()["far"] == 0
+    assert q.next_due() == 5 and q.pop_due(5) == 1
 
 
 def test_trim_gives_back_the_capacity_of_emptied_tables() -> None:
