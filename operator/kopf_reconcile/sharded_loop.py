@@ -18,10 +18,17 @@ What this module adds:
 * **a writer fenced per shard**: a reconcile's writer writes only entities of its
   shard (anything else is a :class:`~kopf_reconcile.PermanentError`): an entity is
   fenced in its own shard's scope only, never in two.
-* **one shard count per scope**: before a shard first leads, the base scope records
-  the shard count (``record_shard_count``); an unsharded leader of the scope, or one
+* **one shard layout per scope**: before a shard first leads, the base scope records
+  the layout (``record_shard_count``); an unsharded leader of the scope, or one
   with another count, is refused (a :class:`~kopf_reconcile.ConfigError`), and so is
-  this one when the scope says otherwise.
+  this one when the scope says otherwise. Every shard's epoch recording verifies the
+  layout again, atomically (the repository's ``record_epoch``), so once
+  ``kopf-reconcile reshard`` changes it, a replica of the old layout never starts
+  leading a shard again. A replica refused for its layout (a
+  :class:`~kopf_reconcile.fencing.protocol.ShardLayoutError`) logs the error, leads
+  nothing, and tries again with capped exponential backoff (from the retry period up
+  to a minute): a replica of the new layout started before the reshard leads once it
+  commits; one of the old layout keeps being refused, without thrashing.
 * **balance** (:mod:`kopf_reconcile.control.balance`): each replica holds one
   membership lease and aims at ``ceil(N / live replicas)`` shards; it acquires a
   shard only below that, and hands one off when another replica is short: that
@@ -50,9 +57,11 @@ from kopf_reconcile.api import ConfigError, PermanentError, Request, seconds
 from kopf_reconcile.config import LoopConfig
 from kopf_reconcile.control.balance import balance, member_id, view_from_records
 from kopf_reconcile.fencing.protocol import (
+    DeadLetter,
     FencedRepository,
     LoopBoundRepository,
     ShardableRepository,
+    ShardLayoutError,
 )
 from kopf_reconcile.leader.protocol import LeaseContended, LeaseLister, LeaseLost, LeaseToken
 from kopf_reconcile.loop import Loop, LoopStats
@@ -66,6 +75,15 @@ logger = logging.getLogger("kopf_reconcile.loop")
 HANDOFF_COOLDOWN_TTLS = 2.0  # a shard handed off is not taken back by the same replica for this
 HANDOFF_SPACING_TTLS = 1.0  # at most one hand-off per this many TTLs (the view catches up)
 LIST_FAILURES_BEFORE_GREEDY = 3  # listings failed in a row, never one seen: take what is free
+LAYOUT_RETRY_MAX = 60.0  # seconds: the longest wait between attempts refused for the layout
+
+
+class ShardLayoutRefused(Exception):
+    """A shard's lease was taken, but the layout check refused it: handed back, retried later.
+
+    Not a :class:`~kopf_reconcile.ConfigError` on purpose: the lease control plane stops
+    for good on those, and a layout refusal ends when ``kopf-reconcile reshard`` commits.
+    """
 
 
 class ShardedLoop(Loop):
@@ -91,6 +109,8 @@ class ShardedLoop(Loop):
         self._timing = config.lease_timing()
         self._claimed = False
         self._claim_lock = asyncio.Lock()
+        self._layout_backoff = 0.0  # seconds; 0 until a layout refusal
+        self._layout_retry_at = 0.0  # no shard is acquired before (event loop clock)
         self._target = 0
         self._view_known = False
         self._cooldown: dict[int, float] = {}
@@ -111,6 +131,7 @@ class ShardedLoop(Loop):
                 name=f"{self.name}-shard-{k}",
                 reconciler_id=shard_id(self.reconciler_id, k),
                 shard_of=self.reconciler_id,
+                metric_labels=(self.name, str(k)),
                 fenced_repo=None if repo is None else _ShardFence(self, repo, k),
             )
             sub.validate()
@@ -255,11 +276,40 @@ class ShardedLoop(Loop):
         repo = self._config.fenced_repo
         assert isinstance(repo, ShardableRepository)
         async with self._claim_lock:
-            if not self._claimed:
+            if self._claimed:
+                return
+            if asyncio.get_running_loop().time() < self._layout_retry_at:
+                raise ShardLayoutRefused("the shard layout was refused; waiting to try again")
+            try:
                 await repo.record_shard_count(
                     self.shards, by_namespace=self._assignment.by_namespace
                 )
-                self._claimed = True
+            except ShardLayoutError as exc:
+                raise self._layout_refused(exc) from None
+            self._claimed = True
+
+    def _layout_refused(self, exc: ShardLayoutError) -> ShardLayoutRefused:
+        """Lead nothing for a while (backoff), log why once per wait; what to raise."""
+        self._claimed = False  # the layout is claimed (and checked) again next time
+        now = asyncio.get_running_loop().time()
+        if now >= self._layout_retry_at:  # not yet refused in this wait: one more step
+            period = self._timing.retry_period
+            self._layout_backoff = min(max(2 * self._layout_backoff, period), LAYOUT_RETRY_MAX)
+            self._layout_retry_at = now + self._layout_backoff * self._config.rng.uniform(1, 1.2)
+            logger.error(
+                "loop %s leads no shard: %s (trying again in %.0fs)",
+                self.name,
+                exc,
+                self._layout_retry_at - now,
+                extra={"controller": self.name},
+            )
+        return ShardLayoutRefused(
+            f"shard layout refused (logged as an error above); retrying within "
+            f"{self._layout_backoff:.0f}s"
+        )
+
+    def _layout_accepted(self) -> None:
+        self._layout_backoff = 0.0
 
     # -- balance -----------------------------------------------------------------
 
@@ -268,7 +318,7 @@ class ShardedLoop(Loop):
         if self._stopping or not self._view_known:
             return False
         now = asyncio.get_running_loop().time()
-        if self._cooldown.get(shard, 0.0) > now:
+        if self._cooldown.get(shard, 0.0) > now or self._layout_retry_at > now:
             return False
         holder = self._holders.get(shard)
         if holder is not None and holder != self._me:
@@ -286,7 +336,12 @@ class ShardedLoop(Loop):
         period = self._timing.retry_period
         while True:
             try:
-                await self._keep_membership()
+                if self._layout_backoff > 0:
+                    # Refused for its layout: this replica takes no share of the shards
+                    # away from the others (its membership would count as live).
+                    await self._leave()
+                else:
+                    await self._keep_membership()
                 await self._rebalance()
             except Exception as exc:  # balance is best effort; safety is the shards' leases
                 logger.warning(
@@ -355,6 +410,7 @@ class ShardedLoop(Loop):
             me=self._me,
             now=datetime.datetime.now(datetime.UTC),
             shard_ids={loop.reconciler_id: k for k, loop in enumerate(self._shard_loops)},
+            member_stale_after=self._timing.renew_deadline,
         )
         decision = balance(view, self.held_shards())
         self._holders = dict(view.holders)
@@ -399,12 +455,23 @@ class ShardedLoop(Loop):
         )
 
 
+# Dead-letter methods a shard's repository answers for entities of its own shard only.
+_OWN_SHARD_ONLY = frozenset(
+    {"record_dead_letter", "clear_dead_letter", "take_redrives", "dead_letters"}
+)
+
+
 class _ShardFence:
     """Shard ``k``'s repository: its own scope, writes of its own entities only.
 
-    Every other capability of the shard's repository (binding, epoch floors, dead
-    letters) passes through; recording an epoch first records the shard count in
-    the base scope (once).
+    Every other capability of the shard's repository (binding, epoch floors) passes
+    through; recording an epoch first records the shard count in the base scope (once,
+    and again after a layout refusal), and a layout refusal becomes a retry with backoff
+    (:class:`ShardLayoutRefused`). Dead letters are kept for entities of its own shard
+    only, as writes are: recording or clearing another shard's is refused, and a dead
+    letter or redrive request of another shard's entity found in its scope is dropped
+    with a warning (the store keeps each in its entity's shard scope; this is the
+    second line of defence).
     """
 
     def __init__(self, owner: ShardedLoop, base: FencedRepository, shard: int) -> None:
@@ -413,26 +480,73 @@ class _ShardFence:
         self._shard = shard
         self._repo: Any = base.for_shard(shard)
 
-    async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
+    def _check_home(self, entity_id: object, what: str) -> None:
         if isinstance(entity_id, str) and entity_id:
             home = self._owner.shard_of(entity_id)
             if home != self._shard:
                 raise PermanentError(
                     f"entity {entity_id!r} belongs to shard {home} of "
                     f"{self._owner.reconciler_id!r}, not to shard {self._shard} whose "
-                    "reconcile writes it: a reconcile writes only entities of its own shard"
+                    f"{what}: a shard writes only entities of its own shard"
                 )
+
+    def _mine(self, entity_ids: list[str], what: str) -> list[str]:
+        """``entity_ids`` of this shard; the others are logged as dropped."""
+        mine = [e for e in entity_ids if self._owner.shard_of(e) == self._shard]
+        for entity_id in entity_ids:
+            if self._owner.shard_of(entity_id) != self._shard:
+                logger.warning(
+                    "loop %s: dropped the %s of %r found in shard %d's scope: the entity "
+                    "belongs to shard %d (request it again if needed)",
+                    self._owner.name,
+                    what,
+                    entity_id,
+                    self._shard,
+                    self._owner.shard_of(entity_id),
+                    extra={"controller": self._owner.name},
+                )
+        return mine
+
+    async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
+        self._check_home(entity_id, "reconcile writes it")
         accepted: bool = await self._repo.apply_fenced(entity_id, epoch, mutation)
         return accepted
 
+    # The dead-letter capability, when the shard's repository has it (see __getattr__).
+
+    async def _record_dead_letter(
+        self, inner: Any, entity_id: str, epoch: int, reason: str
+    ) -> bool:
+        self._check_home(entity_id, "dead letter it would record")
+        return bool(await inner(entity_id, epoch, reason))
+
+    async def _clear_dead_letter(self, inner: Any, entity_id: str, epoch: int) -> bool:
+        self._check_home(entity_id, "dead letter it would clear")
+        return bool(await inner(entity_id, epoch))
+
+    async def _take_redrives(self, inner: Any, epoch: int) -> list[str]:
+        return self._mine(list(await inner(epoch)), "redrive request")
+
+    async def _dead_letters(self, inner: Any) -> list[DeadLetter]:
+        letters: list[DeadLetter] = list(await inner())
+        mine = set(self._mine([letter.entity_id for letter in letters], "dead letter"))
+        return [letter for letter in letters if letter.entity_id in mine]
+
     async def record_epoch(self, epoch: int, holder: str) -> None:
         await self._owner._claim_shard_count()
-        await self._repo.record_epoch(epoch, holder)
+        try:
+            await self._repo.record_epoch(epoch, holder)
+        except ShardLayoutError as exc:
+            raise self._owner._layout_refused(exc) from None
+        self._owner._layout_accepted()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("_repo", "_owner", "_shard"):
             raise AttributeError(name)
-        return getattr(self._repo, name)
+        inner = getattr(self._repo, name)
+        if name in _OWN_SHARD_ONLY:
+            return functools.partial(getattr(self, f"_{name}"), inner)
+        return inner
 
     def __repr__(self) -> str:
         return f"<shard {self._shard} of {self._repo!r}>"

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import kopf_reconcile as kr
 from kopf_reconcile.control.balance import (
+    BalanceDecision,
     BalanceView,
     balance,
     member_id,
@@ -193,6 +194,43 @@ def test_the_view_keeps_live_records_of_this_reconciler_only() -> None:
     )
     assert got.members == frozenset({"a"})
     assert dict(got.holders) == {0: "a"}
+
+
+def test_a_member_that_missed_its_renewals_is_not_counted_live() -> None:
+    # A replica SIGKILLed a moment ago: its membership and shard leases have not
+    # expired yet, but it stopped renewing. Counted live, it would look short of
+    # shards and the survivors would hand theirs off to it, for nothing.
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    expires = now + datetime.timedelta(seconds=1)
+
+    def record(name: str, holder: str, renewed_ago: float) -> LeaseRecord:
+        renewed = now - datetime.timedelta(seconds=renewed_ago)
+        return LeaseRecord(None, name, holder, 1, None, renewed, expires)
+
+    records = [
+        record("d-member-0", "a", 0.1),
+        record("d-member-1", "b", 0.2),
+        record("d-member-2", "dead", 2.5),  # renew deadline 2 s: missed its renewals
+        *(record(f"d-shard-{k}", "a", 0.1) for k in range(3)),
+        *(record(f"d-shard-{k}", "b", 0.2) for k in range(3, 6)),
+    ]
+    shard_ids = {f"d-shard-{k}": k for k in range(8)}
+    view = view_from_records(
+        records,
+        reconciler_id="d",
+        shards=8,
+        me="a",
+        now=now,
+        shard_ids=shard_ids,
+        member_stale_after=2.0,
+    )
+    assert view.members == frozenset({"a", "b"})
+    assert balance(view, range(3)) == BalanceDecision(target=4, give_up=None)
+    # Counted live (no staleness rule), the dead replica looks short: a gives one up.
+    counted = view_from_records(
+        records, reconciler_id="d", shards=8, me="a", now=now, shard_ids=shard_ids
+    )
+    assert balance(counted, range(3)).give_up is not None
 
 
 # -- configuration ------------------------------------------------------------------------

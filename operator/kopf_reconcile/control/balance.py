@@ -6,7 +6,11 @@ N slots, renewed like any lease) and the shard leases name their holders. From
 that view (:class:`BalanceView`) each replica decides on its own:
 
 * its **target**, ``ceil(N / live replicas)`` (itself counted, member or not): it
-  acquires a shard only while it holds fewer;
+  acquires a shard only while it holds fewer. A member whose membership lease was
+  last renewed longer ago than the renew deadline is not counted live: by its own
+  rule it has stepped down, or it is dead or paused, and counting it until its
+  lease expires would make the others give up shards to a replica that cannot
+  take them (churn after every SIGKILL);
 * whether to **give up** one shard: only when another live member is *short* —
   holding fewer than ``floor(N / live)`` while this one holds more than that, or
   fewer than the target while this one holds more than the target. A replica at
@@ -88,13 +92,19 @@ def view_from_records(
     me: str,
     now: datetime.datetime,
     shard_ids: Mapping[str, int],
+    member_stale_after: float | None = None,
 ) -> BalanceView:
     """The view of one reconciler in a store's listing (live records only).
 
     ``shard_ids`` maps each shard's lease name to its shard number. A record is live
     when it names a holder and has not expired by ``now`` (this machine's wall clock
-    against the store's: good enough for balance, never used for safety).
+    against the store's: good enough for balance, never used for safety). A
+    membership record renewed more than ``member_stale_after`` seconds before ``now``
+    (the renew deadline) does not count either.
     """
+    stale_before = (
+        None if member_stale_after is None else now - datetime.timedelta(seconds=member_stale_after)
+    )
     members: set[str] = set()
     holders: dict[int, str] = {}
     prefix = member_id(reconciler_id, 0)[:-1]
@@ -107,5 +117,8 @@ def view_from_records(
         if name in shard_ids:
             holders[shard_ids[name]] = record.holder_id
         elif name.startswith(prefix) and name[len(prefix) :].isdigit():
+            renewed = record.renewed_at
+            if stale_before is not None and renewed is not None and renewed < stale_before:
+                continue  # missed its renewals: not a replica that can take a shard now
             members.add(record.holder_id)
     return BalanceView(shards=shards, me=me, members=frozenset(members), holders=holders)

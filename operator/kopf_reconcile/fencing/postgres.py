@@ -24,6 +24,19 @@ and, beside them, for operating the operator:
 * ``<table>_leaders``: each epoch that led each scope, when, and which epoch led
   before it (kept a day), for ``kopf-reconcile status``'s failovers in the last hour.
 
+Sharded reconcilers (:meth:`for_shard`) fence each shard in a scope of its own, and
+their base scope records the layout (:meth:`record_shard_count`). A shard scope's
+:meth:`record_epoch` verifies that layout in the same transaction (it share-locks the
+base scope's row), so a replica of another layout never starts leading a shard;
+:meth:`reshard` changes the layout in one transaction that locks the base row
+exclusively, fences every shard scope, old and new, above every epoch they have seen,
+names in each the shard's lease qualified by the new layout (so a client without the
+layout check, which requires the plain lease, is refused by the server), and moves each
+entity's rows to its new shard scope (``kopf-reconcile reshard``). Lock order, in every
+transaction that locks several epochs rows: by scope (a base scope sorts before its
+shard scopes), then data rows; a redrive request (:meth:`request_redrive`) share-locks
+the epochs rows of its scopes first, so it lands before a reshard moves them or after.
+
 A write carrying ``epoch`` is applied only when ``epoch >= last_epoch`` of
 its entity **and** ``epoch >=`` the epoch recorded for its scope, and then
 advances ``last_epoch``. So a zombie leader that wakes up after one or more
@@ -89,8 +102,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import inspect
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -99,10 +114,11 @@ import asyncpg
 from kopf_reconcile.api import ConfigError, Duration, positive_seconds
 from kopf_reconcile.closing import AsyncClosing
 from kopf_reconcile.database import Database, qualified_table
-from kopf_reconcile.fencing.protocol import DeadLetter, StaleEpochError
+from kopf_reconcile.fencing.protocol import DeadLetter, ShardLayoutError, StaleEpochError
+from kopf_reconcile.sharding import MAX_SHARDS, ShardAssignment, shard_id
 from kopf_reconcile.tenancy import Tenancy
 
-__all__ = ["DEFAULT_FENCE_TABLE", "DEFAULT_SCOPE", "PostgresFencedRepository"]
+__all__ = ["DEFAULT_FENCE_TABLE", "DEFAULT_SCOPE", "PostgresFencedRepository", "ReshardReport"]
 
 DEFAULT_FENCE_TABLE = "kopf_reconcile_fence"
 DEFAULT_SCOPE = "default"
@@ -111,6 +127,7 @@ DEFAULT_STATEMENT_TIMEOUT = 30.0  # one statement of a fenced write, the user's 
 DEFAULT_IDLE_IN_TRANSACTION_TIMEOUT = 10.0  # a silent client's transaction is aborted then
 DEFAULT_WRITE_TIMEOUT = 30.0  # one apply_fenced call, end to end
 _MAX_EPOCH = 2**63 - 1  # bigint
+REDRIVE_ATTEMPTS = 5  # a redrive request whose dead letters a reshard moved is made again
 MAX_REASON = 4096  # characters of a dead letter's reason kept
 LEADER_HISTORY = "1 day"  # how long the leadership changes of a scope are kept
 _STILL_VALID = "SELECT 1"  # fails (InFailedSQLTransactionError) in an aborted transaction
@@ -119,7 +136,72 @@ _JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
 class _Rejected(Exception):
-    """Raised inside the transaction of a callable mutation to roll it back."""
+    """Raised inside a transaction to roll it back (a stale callable mutation, a redrive
+    request whose dead letters moved)."""
+
+
+@dataclasses.dataclass
+class _ShardLayout:
+    """The layout a sharded repository runs, shared by it and its shard repositories.
+
+    Set by :meth:`PostgresFencedRepository.record_shard_count`; each shard's
+    :meth:`~PostgresFencedRepository.record_epoch` checks the base scope against it.
+    """
+
+    base_scope: str | None = None
+    lease: str | None = None  # what the base scope's epochs row must name
+    # What a shard scope's epochs row names after a reshard to this layout, after the
+    # shard's lease: ``@shards=N[/by-namespace]`` (see shard_scope_lease).
+    suffix: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardReport:
+    """What :meth:`PostgresFencedRepository.reshard` did, in its one transaction."""
+
+    scope: str  # the base scope
+    reconciler_id: str  # whose shard leases are ``<reconciler_id>-shard-<k>``
+    old_layout: str  # the lease the base scope recorded, ``<id>/shards=N[/by-namespace]``
+    new_layout: str
+    old_shards: int
+    new_shards: int
+    fence_epoch: int  # recorded as leading every shard scope, old and new
+    moved: dict[int, int]  # new shard -> entities moved into it from another shard scope
+    entities: dict[int, int]  # new shard -> entities fenced in it now
+    dead_letters_moved: int
+    redrives_moved: int
+    duplicates_dropped: int  # redrive requests of one entity in two scopes, merged into one
+
+
+def layout_lease(reconciler_id: str, shards: int, by_namespace: bool) -> str:
+    """The lease a base scope's epochs row names for a layout (``<id>/shards=N[/by-namespace]``)."""
+    return f"{reconciler_id}/shards={shards}" + ("/by-namespace" if by_namespace else "")
+
+
+def shard_scope_lease(shard_lease: str, shards: int, by_namespace: bool) -> str:
+    """What a shard scope's epochs row names once a reshard made ``shards`` its layout.
+
+    ``<id>-shard-<k>@shards=N[/by-namespace]``: the shard's lease qualified by the layout.
+    A shard's :meth:`~PostgresFencedRepository.record_epoch` of this release accepts it
+    when its layout is that one, and a client of a release without the layout check
+    (which requires the plain lease name) is refused by the server. It never contains
+    ``/shards=``, so it is never taken for a base scope's layout (:func:`parse_layout`).
+    """
+    return f"{shard_lease}@shards={shards}" + ("/by-namespace" if by_namespace else "")
+
+
+_LAYOUT = re.compile(r"(?s)(?P<id>.+)/shards=(?P<shards>[0-9]+)(?P<by_namespace>/by-namespace)?")
+
+
+def parse_layout(lease: object) -> tuple[str, ShardAssignment] | None:
+    """The reconciler id and assignment a base scope's lease names; ``None`` if unsharded."""
+    found = _LAYOUT.fullmatch(lease) if isinstance(lease, str) else None
+    if found is None:
+        return None
+    shards = int(found["shards"])
+    if not 2 <= shards <= MAX_SHARDS:
+        return None
+    return found["id"], ShardAssignment(shards, bool(found["by_namespace"]))
 
 
 class PostgresFencedRepository(AsyncClosing):
@@ -206,13 +288,32 @@ class PostgresFencedRepository(AsyncClosing):
                AND ($2::text IS NULL OR starts_with(entity_id, $2 || '/'))
              ORDER BY scope, entity_id
         """
-        self._redrive_sql = f"""
-            INSERT INTO {self._redrives} (scope, entity_id)
-            SELECT scope, entity_id FROM {self._dead}
-             WHERE ($1::text IS NULL OR entity_id = $1) AND ($2::text IS NULL OR scope = $2)
-            ON CONFLICT (scope, entity_id) DO UPDATE SET requested_at = now()
-            RETURNING entity_id
+        # A redrive request first share-locks the epochs rows of the scopes it writes to,
+        # in scope order (the order of a reshard's exclusive locks: no deadlock), so a
+        # reshard moving those scopes' rows commits before it or after it. Then, in a new
+        # snapshot, it requests the dead letters of the scopes it locked, in key order (as
+        # any other request: no deadlock), and tells the caller every dead letter it saw:
+        # one in a scope it did not lock moved meanwhile, and the request is made again.
+        # An existing request is left as it is (not locked: a take can delete it).
+        redrive_where = "($1::text IS NULL OR entity_id = $1) AND ($2::text IS NULL OR scope = $2)"
+        self._redrive_lock_sql = f"""
+            SELECT scope FROM {self._epochs}
+             WHERE scope IN (SELECT scope FROM {self._dead} WHERE {redrive_where})
+             ORDER BY scope FOR SHARE
         """
+        self._redrive_sql = f"""
+            WITH wanted AS (SELECT scope, entity_id FROM {self._dead} WHERE {redrive_where}),
+                 requested AS (
+                    INSERT INTO {self._redrives} (scope, entity_id)
+                    SELECT scope, entity_id FROM wanted WHERE scope = ANY($3::text[])
+                     ORDER BY scope, entity_id
+                    ON CONFLICT (scope, entity_id) DO NOTHING)
+            SELECT scope, entity_id FROM wanted
+        """
+        self._scope_rows_sql = (
+            f"INSERT INTO {self._epochs} (scope, epoch) SELECT unnest($1::text[]), 0 "
+            "ON CONFLICT DO NOTHING"
+        )
         self._led_sql = f"""
             INSERT INTO {self._leaders} (scope, epoch, holder, previous) VALUES ($1, $2, $3, $4)
             ON CONFLICT (scope, epoch) DO NOTHING
@@ -228,6 +329,11 @@ class PostgresFencedRepository(AsyncClosing):
              GROUP BY scope
         """
         self._scopes_ready: set[str] = set()
+        # The layout this repository's shards run (record_shard_count), and, in a shard's
+        # repository (for_shard), the one its record_epoch verifies in the base scope.
+        self._shards_layout = _ShardLayout()
+        self._layout_check: _ShardLayout | None = None
+        self._base_layout_sql = f"SELECT lease FROM {self._epochs} WHERE scope = $1 FOR SHARE"
         # The fence check and advance. The CTE share-locks the scope's epoch row
         # until commit (ordering this write with any recording of a new epoch) and
         # reads the epoch that led the scope: below it, no row is proposed at all.
@@ -266,15 +372,19 @@ class PostgresFencedRepository(AsyncClosing):
         # epoch sequence; another lease is refused by the caller.
         # The holder that led at the current epoch is kept: a lease record lost and
         # recreated can hand one epoch to two holders, and only the first may lead.
+        # $5 is, for a shard, its lease qualified by its layout (shard_scope_lease): a
+        # reshard names it in every shard scope, and it is kept as it is. A client that
+        # sends the plain lease only (a release without the layout check) is refused there.
         self._record_sql = f"""
             INSERT INTO {self._epochs} AS led (scope, epoch, lease, holder)
             VALUES ($1, $2, $3, $4)
             ON CONFLICT (scope) DO UPDATE
                SET epoch = GREATEST(led.epoch, EXCLUDED.epoch),
-                   lease = EXCLUDED.lease,
+                   lease = CASE WHEN led.lease = $5::text THEN led.lease
+                                ELSE EXCLUDED.lease END,
                    holder = CASE WHEN EXCLUDED.epoch > led.epoch OR led.holder IS NULL
                                  THEN EXCLUDED.holder ELSE led.holder END
-             WHERE led.lease IS NULL OR led.lease = EXCLUDED.lease
+             WHERE led.lease IS NULL OR led.lease = EXCLUDED.lease OR led.lease = $5::text
             RETURNING epoch, holder
         """
         self._scope_lease_sql = f"SELECT lease FROM {self._epochs} WHERE scope = $1"
@@ -325,6 +435,8 @@ class PostgresFencedRepository(AsyncClosing):
         sibling._bound_to = None
         sibling._tenancy = Tenancy.SINGLE_TENANT
         sibling._scopes_ready = set()
+        sibling._layout_check = self._shards_layout
+        sibling._shards_layout = _ShardLayout()
         return sibling
 
     async def record_shard_count(self, shards: int, *, by_namespace: bool = False) -> None:
@@ -335,29 +447,200 @@ class PostgresFencedRepository(AsyncClosing):
         unsharded leader of the scope (whose lease is the reconciler id) and a
         reconciler with another shard count are refused, and so is this one when the
         scope was led unsharded or with another count (a
-        :class:`~kopf_reconcile.ConfigError`): one entity must never be fenced in two
-        scopes by two unrelated leases.
+        :class:`~kopf_reconcile.fencing.protocol.ShardLayoutError`): one entity must never
+        be fenced in two scopes by two unrelated leases. The layout is also the one this
+        repository's shard repositories (:meth:`for_shard`) verify in every
+        :meth:`record_epoch`.
         """
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 2:
-            raise ConfigError(f"shards must be an integer >= 2, got {shards!r}")
+        _check_shard_count(shards)
         base = self._bound_to[0] if self._bound_to is not None else self._scope
-        lease = f"{base}/shards={shards}" + ("/by-namespace" if by_namespace else "")
+        lease = layout_lease(base, shards, by_namespace)
+        self._shards_layout.base_scope = self._scope
+        self._shards_layout.lease = lease
+        self._shards_layout.suffix = shard_scope_lease("", shards, by_namespace)
         pool = await self._ready_pool()
         async with pool.acquire() as connection, connection.transaction():
             await self._bound_transaction(connection)
-            row = await connection.fetchrow(self._record_sql, self._scope, 0, lease, "shards")
+            row = await connection.fetchrow(self._record_sql, self._scope, 0, lease, "shards", None)
             owner = (
                 None
                 if row is not None
                 else await connection.fetchval(self._scope_lease_sql, self._scope)
             )
         if row is None:
-            raise ConfigError(
+            raise ShardLayoutError(
                 f"fenced scope {self._scope!r} of {self._table} is recorded for lease "
                 f"{owner!r}, not {lease!r}: the shard layout changed (or the scope was led "
-                f"unsharded). Changing it is a migration: stop every replica of the old "
-                f"count, then delete the scope's row from {self._epochs} (the shard scopes' "
-                f"rows stay); no online reshard exists yet"
+                f"unsharded). {_reshard_hint(self._scope, lease)}"
+            )
+
+    async def reshard(
+        self, shards: int, *, by_namespace: bool = False, holder: str = "reshard"
+    ) -> ReshardReport:
+        """Change the shard layout recorded in this (base) scope, in one transaction.
+
+        Locks the base scope's epochs row exclusively (a shard's :meth:`record_epoch`
+        share-locks it: none commits across the change), then every shard scope's row,
+        old layout and new, in scope order (each waits for the writes and redrive requests
+        in flight in it). ``E``, one above every epoch recorded or written in those
+        scopes, is recorded as leading each of them by ``holder``, with the shard's lease
+        qualified by the new layout (:func:`shard_scope_lease`): from the commit on every
+        writer of the old layout is refused in every shard scope, a client that does not
+        check layouts can no longer record an epoch there, and the next holder of each
+        shard lease starts above ``E`` (its epoch floor). Each entity's row, dead letter
+        and redrive request moves to the scope of its shard in the new layout (the row is
+        re-keyed, not copied), with its state and ``last_epoch`` (below ``E``); the base
+        scope then records the new layout.
+
+        Creates nothing: raises :class:`~kopf_reconcile.ConfigError` when the tables do
+        not exist, when the scope was never sharded or already has this layout, and when
+        an entity has rows (or dead letters) in two shard scopes; nothing changes then.
+        """
+        _check_shard_count(shards)
+        target = ShardAssignment(shards, by_namespace)
+        if not isinstance(holder, str) or not holder:
+            raise ConfigError(f"holder must be a non-empty string, got {holder!r}")
+        pool = await self._database.existing_pool()
+        try:
+            async with pool.acquire() as connection, connection.transaction():
+                await self._bound_transaction(connection)
+                return await self._reshard(connection, target, holder)
+        except asyncpg.UndefinedTableError as exc:
+            raise ConfigError(
+                f"the fence tables of {self._table} are missing in this database ({exc}): "
+                "check the database URL and the table; a reshard creates no table and "
+                "changed nothing"
+            ) from None
+
+    async def _reshard(
+        self, connection: asyncpg.Connection, target: ShardAssignment, holder: str
+    ) -> ReshardReport:
+        base = self._scope
+        recorded = await connection.fetchval(
+            f"SELECT lease FROM {self._epochs} WHERE scope = $1 FOR UPDATE", base
+        )
+        parsed = parse_layout(recorded)
+        if parsed is None:
+            how = (
+                "was never led nor sharded (it has no epochs row, or its row names no lease)"
+                if recorded is None
+                else f"was never sharded (its epochs row names the lease {recorded!r}, not "
+                "'<reconciler id>/shards=<N>')"
+            )
+            raise ConfigError(
+                f"fenced scope {base!r} of {self._table} {how}: only the base scope of a "
+                "sharded reconciler (its reconciler id, or the explicit scope its repository "
+                "was built with) can be resharded"
+            )
+        reconciler_id, current = parsed
+        new_lease = layout_lease(reconciler_id, target.shards, target.by_namespace)
+        if current == target:
+            raise ConfigError(f"fenced scope {base!r} is already sharded as {new_lease!r}")
+        count = max(current.shards, target.shards)
+        scopes = [shard_id(base, k) for k in range(count)]
+        leases = [
+            shard_scope_lease(shard_id(reconciler_id, k), target.shards, target.by_namespace)
+            for k in range(count)
+        ]
+        # Every shard scope gets a row to lock (and to fence), then all are locked in
+        # scope order, the one order of every transaction that locks several (redrive
+        # requests); each lock waits for the writes in flight in its scope.
+        await connection.execute(
+            f"INSERT INTO {self._epochs} (scope, epoch) SELECT unnest($1::text[]), 0 "
+            "ON CONFLICT DO NOTHING",
+            scopes,
+        )
+        await connection.execute(
+            f"SELECT 1 FROM {self._epochs} WHERE scope = ANY($1) ORDER BY scope FOR UPDATE",
+            scopes,
+        )
+        entities = await connection.fetch(
+            f"SELECT scope, entity_id, last_epoch FROM {self._table} WHERE scope = ANY($1)",
+            scopes,
+        )
+        letters = await connection.fetch(
+            f"SELECT scope, entity_id, epoch FROM {self._dead} WHERE scope = ANY($1)",
+            scopes,
+        )
+        _refuse_duplicates(base, (self._table, self._dead), entities, letters)
+        highest = await connection.fetchval(
+            f"""SELECT GREATEST(
+                (SELECT coalesce(max(epoch), 0) FROM {self._epochs} WHERE scope = ANY($1)),
+                (SELECT coalesce(max(last_epoch), 0) FROM {self._table}
+                  WHERE scope = ANY($1)),
+                (SELECT coalesce(max(epoch), 0) FROM {self._dead} WHERE scope = ANY($1)))""",
+            scopes,
+        )
+        fence = int(highest) + 1
+        _check_epoch(fence)
+        await connection.execute(
+            f"UPDATE {self._epochs} AS led SET epoch = $3, holder = $4, lease = f.lease "
+            "FROM unnest($1::text[], $2::text[]) AS f(scope, lease) WHERE led.scope = f.scope",
+            scopes,
+            leases,
+            fence,
+            holder,
+        )
+        moves = _moves(entities, base, target)
+        await self._move_rows(connection, self._table, moves, [])
+        letter_moves = _moves(letters, base, target)
+        await self._move_rows(connection, self._dead, letter_moves, [])
+        requests = await connection.fetch(
+            f"SELECT scope, entity_id FROM {self._redrives} WHERE scope = ANY($1)", scopes
+        )
+        request_moves, requests_merged = _request_moves(requests, base, target)
+        await self._move_rows(connection, self._redrives, request_moves, requests_merged)
+        await connection.execute(
+            f"UPDATE {self._epochs} SET lease = $2 WHERE scope = $1", base, new_lease
+        )
+        moved = {k: 0 for k in range(target.shards)}
+        for _, entity_id, _ in moves:
+            moved[target.shard_of(entity_id)] += 1
+        placed = {k: 0 for k in range(target.shards)}
+        for entity_id in {row["entity_id"] for row in entities}:
+            placed[target.shard_of(entity_id)] += 1
+        return ReshardReport(
+            scope=base,
+            reconciler_id=reconciler_id,
+            old_layout=str(recorded),
+            new_layout=new_lease,
+            old_shards=current.shards,
+            new_shards=target.shards,
+            fence_epoch=fence,
+            moved=moved,
+            entities=placed,
+            dead_letters_moved=len(letter_moves),
+            redrives_moved=len(request_moves),
+            duplicates_dropped=len(requests_merged),
+        )
+
+    async def _move_rows(
+        self,
+        connection: asyncpg.Connection,
+        table: str,
+        moves: list[tuple[str, str, str]],
+        dropped: list[tuple[str, str]],
+    ) -> None:
+        """Delete ``dropped`` rows, then re-key each moved row ``(old scope, id) -> new scope``.
+
+        After the drop every id is in one scope, so no re-keyed row meets another. A moved
+        row is updated, not deleted and inserted: a statement that waited for it follows it.
+        """
+        if dropped:
+            await connection.execute(
+                f"DELETE FROM {table} AS t USING unnest($1::text[], $2::text[]) AS d(scope, id) "
+                "WHERE t.scope = d.scope AND t.entity_id = d.id",
+                [scope for scope, _ in dropped],
+                [entity_id for _, entity_id in dropped],
+            )
+        if moves:
+            await connection.execute(
+                f"UPDATE {table} AS t SET scope = m.new "
+                "FROM unnest($1::text[], $2::text[], $3::text[]) AS m(old, id, new) "
+                "WHERE t.scope = m.old AND t.entity_id = m.id",
+                [old for old, _, _ in moves],
+                [entity_id for _, entity_id, _ in moves],
+                [new for _, _, new in moves],
             )
 
     @property
@@ -438,11 +721,36 @@ class PostgresFencedRepository(AsyncClosing):
         """
         _check_epoch(epoch)
         lease = self._bound_to[0] if self._bound_to is not None else self._scope
+        layout = self._layout_check
+        if layout is not None and (
+            layout.base_scope is None or layout.lease is None or layout.suffix is None
+        ):
+            raise ShardLayoutError(
+                f"fenced scope {self._scope!r} is a shard's, and the layout its replica runs "
+                "was not recorded (record_shard_count of the base repository): without it, "
+                "this shard's epoch cannot be checked against the base scope's layout"
+            )
         pool = await self._ready_pool()
         async with pool.acquire() as connection, connection.transaction():
             await self._bound_transaction(connection)
+            if layout is not None:
+                # Share-locked until this epoch is recorded: a reshard (which locks the row
+                # exclusively) commits either before this check or after this recording.
+                assert layout.base_scope is not None and layout.lease is not None
+                assert layout.suffix is not None
+                recorded = await connection.fetchval(self._base_layout_sql, layout.base_scope)
+                if recorded != layout.lease:
+                    raise ShardLayoutError(
+                        f"fenced scope {self._scope!r} cannot be led at epoch {epoch}: its base "
+                        f"scope {layout.base_scope!r} records the layout {recorded!r}, and this "
+                        f"replica runs {layout.lease!r}. "
+                        f"{_reshard_hint(layout.base_scope, layout.lease)}"
+                    )
             before = await connection.fetchval(self._led_before_sql, self._scope)
-            row = await connection.fetchrow(self._record_sql, self._scope, epoch, lease, holder)
+            qualified = None if layout is None else f"{lease}{layout.suffix}"
+            row = await connection.fetchrow(
+                self._record_sql, self._scope, epoch, lease, holder, qualified
+            )
             owner = (
                 None
                 if row is not None
@@ -535,13 +843,40 @@ class PostgresFencedRepository(AsyncClosing):
         self, entity_id: str | None = None, *, scope: str | None = None
     ) -> list[str]:
         """Ask the leaders to retry dead-lettered entities: ``entity_id``, or all of them
-        (of ``scope`` if given). The entities asked for; the leaders take the requests."""
+        (of ``scope`` if given). The entities asked for; the leaders take the requests.
+
+        Each request lands in the scope its dead letter is in when the request commits:
+        it share-locks the epochs rows of those scopes first (a reshard, which locks them
+        exclusively, moves the rows before or after it, never meanwhile). Waits for a
+        reshard in progress, up to ``lock_timeout``.
+        """
         pool = await self._database.existing_pool()
         try:
-            rows = await pool.fetch(self._redrive_sql, entity_id, scope)
+            for _ in range(REDRIVE_ATTEMPTS):
+                try:
+                    async with pool.acquire() as connection, connection.transaction():
+                        await self._bound_transaction(connection)
+                        locked = [
+                            row["scope"]
+                            for row in await connection.fetch(
+                                self._redrive_lock_sql, entity_id, scope
+                            )
+                        ]
+                        rows = await connection.fetch(self._redrive_sql, entity_id, scope, locked)
+                        moved = {row["scope"] for row in rows} - set(locked)
+                        if moved:
+                            raise _Rejected
+                    return sorted(row["entity_id"] for row in rows)
+                except _Rejected:
+                    # Dead letters moved by a reshard after their scopes were read (or in
+                    # a scope with no epochs row yet): rolled back; again, locking theirs.
+                    await pool.execute(self._scope_rows_sql, sorted(moved))
         except asyncpg.UndefinedTableError:
             return []
-        return sorted(row["entity_id"] for row in rows)
+        raise RuntimeError(
+            f"redrive request not made: the dead letters kept moving between scopes "
+            f"({REDRIVE_ATTEMPTS} attempts; is a reshard running again and again?)"
+        )
 
     async def leadership_changes(self, within: float = 3600.0) -> dict[str, int]:
         """Per scope, failovers within the last ``within`` seconds (database clock): epochs
@@ -694,6 +1029,96 @@ def _side_tables_schema(dead: str, redrives: str, leaders: str) -> list[str]:
         )
         """,
     ]
+
+
+def _moves(
+    rows: list[asyncpg.Record], base: str, target: ShardAssignment
+) -> list[tuple[str, str, str]]:
+    """Which rows move where under ``target``: ``(old scope, id, new scope)``.
+
+    Each entity has one row (checked first, :func:`_refuse_duplicates`).
+    """
+    moves: list[tuple[str, str, str]] = []
+    for row in rows:
+        home = shard_id(base, target.shard_of(row["entity_id"]))
+        if row["scope"] != home:
+            moves.append((row["scope"], row["entity_id"], home))
+    return moves
+
+
+def _request_moves(
+    rows: list[asyncpg.Record], base: str, target: ShardAssignment
+) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
+    """Which redrive requests move where under ``target``, and which are merged (dropped).
+
+    A request carries nothing but its entity: two of one entity (in two scopes) are one
+    request, kept in the entity's new scope.
+    """
+    by_entity: dict[str, list[str]] = {}
+    for row in rows:
+        by_entity.setdefault(row["entity_id"], []).append(row["scope"])
+    moves: list[tuple[str, str, str]] = []
+    merged: list[tuple[str, str]] = []
+    for entity_id, found in by_entity.items():
+        home = shard_id(base, target.shard_of(entity_id))
+        kept = home if home in found else min(found)
+        merged.extend((scope, entity_id) for scope in found if scope != kept)
+        if kept != home:
+            moves.append((kept, entity_id, home))
+    return moves, merged
+
+
+def _refuse_duplicates(
+    base: str,
+    tables: tuple[str, str],
+    entities: list[asyncpg.Record],
+    letters: list[asyncpg.Record],
+) -> None:
+    """Refuse a reshard when an entity has rows (or dead letters) in two shard scopes.
+
+    Each shard scope's epochs come from its own shard lease: two rows of one entity carry
+    epochs of two independent counters, and nothing tells which one is current.
+    """
+    found: dict[tuple[str, str], list[str]] = {}
+    for kind, rows in ((tables[0], entities), (tables[1], letters)):
+        for row in rows:
+            found.setdefault((kind, row["entity_id"]), []).append(row["scope"])
+    twice = sorted((key, sorted(scopes)) for key, scopes in found.items() if len(scopes) > 1)
+    if not twice:
+        return
+    shown = "; ".join(
+        f"{entity_id!r} has rows of {kind} in {', '.join(repr(s) for s in scopes)}"
+        for (kind, entity_id), scopes in twice[:10]
+    )
+    more = f" (and {len(twice) - 10} more)" if len(twice) > 10 else ""
+    raise ConfigError(
+        f"cannot reshard {base!r}: {len(twice)} entities have rows in two shard scopes: "
+        f"{shown}{more}. Their epochs come from two independent shard leases, so which "
+        "row is current cannot be told: keep the current one of each and delete the "
+        "others (DELETE FROM <table> WHERE scope = '<scope>' AND entity_id = '<entity>'), "
+        "then run the reshard again. Nothing changed"
+    )
+
+
+def _reshard_hint(base_scope: str, lease: str) -> str:
+    """How to move a base scope to ``lease``'s layout: the command, once, with the database."""
+    parsed = parse_layout(lease)
+    if parsed is None:
+        return "A sharded scope cannot be led unsharded."
+    _, assignment = parsed
+    flag = " --by-namespace" if assignment.by_namespace else ""
+    return (
+        f"To change the layout, run `kopf-reconcile reshard --reconciler {base_scope} "
+        f"--shards {assignment.shards}{flag}` (once): it moves the entities to their new "
+        f"shard scopes and fences every replica of the old layout; until then this replica "
+        f"retries and leads nothing"
+    )
+
+
+def _check_shard_count(shards: object) -> None:
+    """A sharded layout has from 2 to MAX_SHARDS shards (one shard is an unsharded Loop)."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 2 <= shards <= MAX_SHARDS:
+        raise ConfigError(f"shards must be an integer from 2 to {MAX_SHARDS}, got {shards!r}")
 
 
 def _milliseconds(option: str, value: Duration) -> str:

@@ -24,11 +24,21 @@ import dataclasses
 import datetime
 from typing import Protocol, runtime_checkable
 
+from kopf_reconcile.api import ConfigError
 from kopf_reconcile.tenancy import Tenancy
 
 
 class StaleEpochError(Exception):
     """A fenced write was rejected: this process's epoch is no longer current."""
+
+
+class ShardLayoutError(ConfigError):
+    """The base scope records another shard layout than the one this replica runs.
+
+    Unlike other configuration errors it can end without a restart: ``kopf-reconcile
+    reshard`` changes the recorded layout, so a sharded Loop retries later (with backoff)
+    instead of giving up, and never leads a shard meanwhile.
+    """
 
 
 @runtime_checkable
@@ -123,17 +133,21 @@ class ShardableRepository(Protocol):
         """A repository on the same store for shard ``shard`` (not yet bound to a Loop).
 
         Bound to the shard's Loop, its scope is that Loop's reconciler id
-        (``<reconciler id>-shard-<k>``), or ``<explicit scope>-shard-<k>``.
+        (``<reconciler id>-shard-<k>``), or ``<explicit scope>-shard-<k>``. Its
+        ``record_epoch`` verifies, atomically with the recording, that the base scope
+        still records the layout given to this repository's ``record_shard_count``
+        (:class:`ShardLayoutError` otherwise): after the layout changes, a replica of the
+        old one can never start leading a shard again.
         """
         ...
 
     async def record_shard_count(self, shards: int, *, by_namespace: bool = False) -> None:
         """Record in this (unsharded) scope that its entities live in ``shards`` shard scopes.
 
-        Raises :class:`~kopf_reconcile.ConfigError` when the scope was led unsharded, or
-        recorded with another shard count (or ``by_namespace``): an entity would then be
-        fenced in two scopes
-        by two unrelated leases. Once recorded, an unsharded leader of the scope is
-        refused too.
+        Raises :class:`ShardLayoutError` (a :class:`~kopf_reconcile.ConfigError`) when the
+        scope was led unsharded, or recorded with another shard count (or
+        ``by_namespace``): an entity would then be fenced in two scopes by two unrelated
+        leases. Once recorded, an unsharded leader of the scope is refused too. The layout
+        given here is the one this repository's shards check when they record an epoch.
         """
         ...

@@ -1,0 +1,768 @@
+"""Changing a sharded reconciler's layout (``kopf-reconcile reshard``) on a real PostgreSQL.
+
+- A shard scope's epoch is valid only under the layout its base scope records: after a
+  reshard, a repository of the old layout is refused at ``record_epoch``, even one whose
+  replica had recorded the old layout before.
+- The reshard moves each entity's row, dead letter and redrive request to the shard scope
+  the new layout assigns, state and ``last_epoch`` kept; every shard scope, old and new,
+  is fenced at one epoch above all it had seen, so a write of the old layout is refused in
+  each, and the next leader of a shard starts above that epoch.
+- It refuses a scope never sharded and the layout already recorded.
+- The command prints what it did; the kubectl plugin forwards it.
+- Liveness: a sharded Loop of the new count started before the reshard leads once it
+  commits; a replica of the old count that led before it never starts leading again.
+- Redrive requests serialize with a reshard: one made while it is in progress waits, then
+  lands once in the entity's new shard scope; requests (one entity, all), takes, old-layout
+  writes and back-and-forth reshards run together without a deadlock or a lost request.
+- A replica of the previous release (plain lease equality, no layout check) records epochs
+  as before until a reshard, and is refused by the server in every shard scope after it.
+- An entity with rows in two shard scopes is refused (nothing changes); duplicate redrive
+  requests are merged and counted. The command refuses shard counts outside 2..1024 alike,
+  and creates no table in a database without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kopf_reconcile as kr
+from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.fencing.protocol import ShardLayoutError
+from kopf_reconcile.leader.postgres import PostgresLeaseElector
+from kopf_reconcile.sharded_loop import ShardedLoop
+from kopf_reconcile.sharding import ShardAssignment, shard_id
+from support import eventually
+
+BIN = Path(sys.executable).parent
+TABLE = "kopf_reconcile_fence"
+ENTITIES = [f"ns-{i % 4}/dev-{i}" for i in range(40)]
+
+
+def fresh_id() -> str:
+    return f"devices-{secrets.token_hex(3)}"
+
+
+async def sharded_repositories(
+    dsn: str, rid: str, shards: int
+) -> tuple[PostgresFencedRepository, list[PostgresFencedRepository]]:
+    """The base repository of a replica running ``shards`` shards, and its shards' ones."""
+    base = PostgresFencedRepository(dsn)
+    base.bind_loop(reconciler_id=rid, tenancy=kr.Tenancy.TENANT_SCOPED)
+    parts = []
+    for k in range(shards):
+        part = base.for_shard(k)
+        part.bind_loop(reconciler_id=shard_id(rid, k), tenancy=kr.Tenancy.TENANT_SCOPED)
+        parts.append(part)
+    await base.record_shard_count(shards)
+    return base, parts
+
+
+async def rows(dsn: str, table: str, rid: str) -> dict[str, list[tuple[str, int]]]:
+    """entity -> [(scope, epoch)] of ``table``'s rows in ``rid``'s shard scopes."""
+    epoch = {TABLE: "last_epoch", f"{TABLE}_redrives": "0"}.get(table, "epoch")
+    connection = await asyncpg.connect(dsn)
+    try:
+        found = await connection.fetch(
+            f"SELECT scope, entity_id, {epoch} AS epoch FROM {table} WHERE starts_with(scope, $1)",
+            f"{rid}-shard-",
+        )
+    finally:
+        await connection.close()
+    placed: dict[str, list[tuple[str, int]]] = {}
+    for row in found:
+        placed.setdefault(row["entity_id"], []).append((row["scope"], int(row["epoch"])))
+    return placed
+
+
+async def test_an_old_layout_shard_is_refused_after_a_reshard_even_after_claiming(
+    dsn: str,
+) -> None:
+    rid = fresh_id()
+    base, old = await sharded_repositories(dsn, rid, 4)
+    try:
+        await old[1].record_epoch(3, "old-replica")
+        async with PostgresFencedRepository(dsn, scope=rid) as admin:
+            report = await admin.reshard(2)
+        fence = report.fence_epoch
+        assert fence > 3
+        # The old replica claimed its layout before: its next epoch is refused all the same,
+        # above the fence too, naming both layouts.
+        for part in old:
+            with pytest.raises(ShardLayoutError, match=rf"{rid}/shards=2.*{rid}/shards=4"):
+                await part.record_epoch(fence + 5, "old-replica")
+        # And its claim is refused now.
+        with pytest.raises(ShardLayoutError, match="kopf-reconcile reshard"):
+            await base.record_shard_count(4)
+        # A replica of the new layout leads above the fence, not at it.
+        new_base, new = await sharded_repositories(dsn, rid, 2)
+        try:
+            with pytest.raises(kr.StaleEpochError):
+                await new[0].record_epoch(fence, "new-replica")
+            await new[0].record_epoch(fence + 1, "new-replica")
+            await new[1].record_epoch(fence + 1, "new-replica")
+        finally:
+            await new_base.close()
+    finally:
+        await base.close()
+
+
+async def test_a_shard_repository_needs_its_layout_recorded_first(dsn: str) -> None:
+    async with PostgresFencedRepository(dsn) as base:
+        base.bind_loop(reconciler_id="unclaimed", tenancy=kr.Tenancy.SINGLE_TENANT)
+        part = base.for_shard(0)
+        part.bind_loop(reconciler_id="unclaimed-shard-0", tenancy=kr.Tenancy.SINGLE_TENANT)
+        with pytest.raises(ShardLayoutError, match="record_shard_count"):
+            await part.record_epoch(1, "a")
+
+
+async def test_reshard_moves_every_row_to_its_new_scope_and_fences_the_old_layout(
+    dsn: str,
+) -> None:
+    rid = fresh_id()
+    old_layout = ShardAssignment(4)
+    base, old = await sharded_repositories(dsn, rid, 4)
+    before: dict[str, tuple[int, dict[str, Any]]] = {}
+    try:
+        for k, part in enumerate(old):
+            await part.record_epoch(10 + k, f"holder-{k}")
+        for i, entity in enumerate(ENTITIES):
+            k = old_layout.shard_of(entity)
+            epoch = 10 + k
+            state = {"i": i, "by": k}
+            assert await old[k].apply_fenced(entity, epoch, state)
+            before[entity] = (epoch, state)
+        dead = ENTITIES[:3]
+        for entity in dead:
+            k = old_layout.shard_of(entity)
+            assert await old[k].record_dead_letter(entity, 10 + k, "spec.desired is 'sideways'")
+        async with PostgresFencedRepository(dsn, scope=rid) as admin:
+            assert sorted(await admin.request_redrive(dead[0])) == [dead[0]]
+            report = await admin.reshard(3)
+        new_layout = ShardAssignment(3)
+        assert report.fence_epoch == 14  # one above the highest epoch of any shard scope
+        assert (report.old_layout, report.new_layout) == (f"{rid}/shards=4", f"{rid}/shards=3")
+        assert sum(report.entities.values()) == len(ENTITIES)
+        # Each entity in exactly one scope, its new shard's, with its state and epoch.
+        placed = await rows(dsn, TABLE, rid)
+        assert set(placed) == set(ENTITIES)
+        moved = 0
+        for entity, where in placed.items():
+            home = shard_id(rid, new_layout.shard_of(entity))
+            epoch, state = before[entity]
+            assert where == [(home, epoch)], entity
+            moved += home != shard_id(rid, old_layout.shard_of(entity))
+            async with PostgresFencedRepository(dsn, scope=home) as reader:
+                assert await reader.get_state(entity) == state
+        assert sum(report.moved.values()) == moved
+        letters = await rows(dsn, f"{TABLE}_dead_letters", rid)
+        assert {e: [s for s, _ in w] for e, w in letters.items()} == {
+            e: [shard_id(rid, new_layout.shard_of(e))] for e in dead
+        }
+        requests = await rows(dsn, f"{TABLE}_redrives", rid)
+        assert [s for s, _ in requests[dead[0]]] == [shard_id(rid, new_layout.shard_of(dead[0]))]
+        # The old layout's writers are refused in every old shard scope, for moved, kept
+        # and new entities alike; so are their dead letters.
+        for k, part in enumerate(old):
+            for entity in [*ENTITIES[:8], f"ns-9/never-{k}"]:
+                assert await part.apply_fenced(entity, 10 + k, {"zombie": True}) is False
+                assert await part.record_dead_letter(entity, 10 + k, "zombie") is False
+        # Each new shard's epoch floor is the fence: its next leader starts above it.
+        for k in range(3):
+            async with PostgresFencedRepository(dsn, scope=shard_id(rid, k)) as reader:
+                assert await reader.highest_epoch() == report.fence_epoch
+        assert placed == await rows(dsn, TABLE, rid)  # nothing written by the zombies
+    finally:
+        await base.close()
+
+
+async def test_reshard_refuses_an_unsharded_scope_and_the_same_layout(dsn: str) -> None:
+    rid = fresh_id()
+    async with PostgresFencedRepository(dsn) as unsharded:
+        unsharded.bind_loop(reconciler_id=rid, tenancy=kr.Tenancy.SINGLE_TENANT)
+        await unsharded.record_epoch(2, "an-unsharded-leader")
+    async with PostgresFencedRepository(dsn, scope=rid) as admin:
+        with pytest.raises(kr.ConfigError, match="never sharded"):
+            await admin.reshard(2)
+    async with PostgresFencedRepository(dsn, scope="never-led") as admin:
+        with pytest.raises(kr.ConfigError, match="never led nor sharded"):
+            await admin.reshard(2)
+    sharded = fresh_id()
+    base, _ = await sharded_repositories(dsn, sharded, 3)
+    try:
+        async with PostgresFencedRepository(dsn, scope=sharded) as admin:
+            with pytest.raises(kr.ConfigError, match="already sharded"):
+                await admin.reshard(3)
+            # Another assignment of the same count is another layout.
+            report = await admin.reshard(3, by_namespace=True)
+            assert report.new_layout == f"{sharded}/shards=3/by-namespace"
+    finally:
+        await base.close()
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    ids=st.sets(
+        st.builds(
+            "{}/{}".format,
+            st.sampled_from(["default", "team-a", "team-b", "ünï", "x"]),
+            st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1),
+        ),
+        max_size=30,
+    ),
+    old=st.integers(2, 9),
+    new=st.integers(2, 9),
+    by_namespace=st.booleans(),
+)
+def test_every_entity_ends_in_exactly_the_scope_sharding_assigns(
+    dsn: str, ids: set[str], old: int, new: int, by_namespace: bool
+) -> None:
+    if old == new:
+        by_namespace = True  # another layout all the same (the old one is by id)
+
+    async def check() -> None:
+        rid = fresh_id()
+        before = ShardAssignment(old)
+        after = ShardAssignment(new, by_namespace)
+        base, parts = await sharded_repositories(dsn, rid, old)
+        try:
+            for k, part in enumerate(parts):
+                await part.record_epoch(1 + k, "h")
+            for entity in ids:
+                k = before.shard_of(entity)
+                assert await parts[k].apply_fenced(entity, 1 + k, {"id": entity})
+            async with PostgresFencedRepository(dsn, scope=rid) as admin:
+                report = await admin.reshard(new, by_namespace=by_namespace)
+            placed = await rows(dsn, TABLE, rid)
+            assert set(placed) == ids
+            for entity, where in placed.items():
+                assert where == [
+                    (shard_id(rid, after.shard_of(entity)), 1 + before.shard_of(entity))
+                ]
+            assert report.fence_epoch == old + 1
+        finally:
+            await base.close()
+
+    asyncio.run(check())
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+async def command(*args: str, dsn: str, via_kubectl: bool = False) -> tuple[int, str, str]:
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KOPF_RECONCILE_", "POD_", "KUBERNETES_"))
+    }
+    environment["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    environment["KOPF_RECONCILE_DATABASE_URL"] = dsn
+    argv = (
+        [str(BIN / "kubectl"), "reconcile", *args]
+        if via_kubectl
+        else [str(BIN / "kopf-reconcile"), *args]
+    )
+    result = await asyncio.to_thread(
+        subprocess.run,
+        argv, capture_output=True, text=True, timeout=60, env=environment, check=False,
+    )  # fmt: skip
+    return result.returncode, result.stdout, result.stderr
+
+
+async def test_the_reshard_command(dsn: str) -> None:
+    rid = fresh_id()
+    base, parts = await sharded_repositories(dsn, rid, 4)
+    try:
+        await parts[3].record_epoch(7, "a")
+        for entity in ENTITIES:
+            k = ShardAssignment(4).shard_of(entity)
+            await parts[k].record_epoch(7, "a")
+            assert await parts[k].apply_fenced(entity, 7, {"on": True})
+    finally:
+        await base.close()
+    code, out, err = await command("reshard", "--reconciler", rid, "--shards", "2", dsn=dsn)
+    assert code == 0, err
+    assert f"{rid}/shards=4 -> {rid}/shards=2, fence epoch 8" in out
+    counts = {k: ShardAssignment(2).shard_of(e) for k, e in enumerate(ENTITIES)}
+    for k in range(2):
+        assert f"shard {k}: {sum(1 for s in counts.values() if s == k)} entities" in out
+    assert f"{rid}-shard-2, {rid}-shard-3" in out and "kopf-reconcile leases" in out
+    # The same layout again: a configuration error, nothing changed.
+    code, _, err = await command("reshard", "--reconciler", rid, "--shards", "2", dsn=dsn)
+    assert code == 2 and "already sharded" in err
+    code, _, err = await command(
+        "reshard", "--reconciler", "nothing-here", "--shards", "2", dsn=dsn
+    )
+    assert code == 2 and "never led nor sharded" in err
+    code, _, err = await command("reshard", "--shards", "2", dsn=dsn)
+    assert code == 2 and "--reconciler" in err
+    if (BIN / "kubectl").exists():  # the kubectl plugin forwards every subcommand
+        code, out, err = await command(
+            "reshard", "--reconciler", rid, "--shards", "3", dsn=dsn, via_kubectl=True
+        )
+        assert code == 0, err
+        assert f"{rid}/shards=2 -> {rid}/shards=3" in out
+
+
+# -- liveness after a refusal --------------------------------------------------------------
+
+
+class Replica:
+    """A ShardedLoop writing each entity it reconciles, fed every entity again and again."""
+
+    def __init__(self, dsn: str, rid: str, name: str, shards: int) -> None:
+        self.name = name
+        self.elector = PostgresLeaseElector(dsn, ttl=1.0, holder_id=name)
+        self.repo = PostgresFencedRepository(dsn)
+        self.feed: asyncio.Queue[kr.Request] = asyncio.Queue()
+        self.rejected = 0
+
+        async def reconcile(req: kr.Request) -> kr.Result:
+            writer = kr.fenced_writer()
+            if req.entity_id and writer is not None:
+                try:
+                    await writer.write(req.entity_id, {"by": name, "epoch": writer.epoch})
+                except kr.StaleEpochError:
+                    self.rejected += 1
+                    raise
+            return kr.Result()
+
+        loop = (
+            kr.Builder(reconcile, kr.Tenancy.TENANT_SCOPED)
+            .with_trigger(kr.ChannelTrigger(self.feed))
+            .with_leader(self.elector)
+            .with_fenced_repo(self.repo)
+            .with_reconciler_id(rid)
+            .with_renew_interval(0.1)
+            .with_stop_timeout(2)
+            .with_shards(shards)
+            .build()
+        )
+        assert isinstance(loop, ShardedLoop)
+        self.loop = loop
+
+    async def feed_forever(self) -> None:
+        while True:
+            for entity in ENTITIES:
+                self.feed.put_nowait(kr.Request(entity))
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.loop.stop(timeout=1)
+        await self.repo.close()
+        await self.elector.close()
+
+
+async def test_a_new_layout_replica_leads_once_the_reshard_commits_and_an_old_one_never_again(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    rid = fresh_id()
+    old = Replica(dsn, rid, "old", 3)
+    new = Replica(dsn, rid, "new", 2)
+    late = Replica(dsn, rid, "late-old", 3)
+    feeding: list[asyncio.Task[None]] = []
+    try:
+        await old.loop.start()
+        feeding.append(asyncio.create_task(old.feed_forever()))
+        await eventually(
+            lambda: old.loop.held_shards() == [0, 1, 2], timeout=20, message="old leads all"
+        )
+        await new.loop.start()
+        feeding.append(asyncio.create_task(new.feed_forever()))
+        # Refused for its layout: it leads nothing, and backs off.
+        await eventually(lambda: new.loop._layout_backoff > 0, timeout=20, message="refused")
+        assert new.loop.held_shards() == []
+        refusals = [r.message for r in caplog.records if r.levelname == "ERROR"]
+        assert any(f"kopf-reconcile reshard --reconciler {rid} --shards 2" in m for m in refusals)
+        async with PostgresFencedRepository(dsn, scope=rid) as admin:
+            report = await admin.reshard(2)
+        fence = report.fence_epoch
+        # From the commit on, the old replica never starts leading a shard: any shard it is
+        # seen leading has an epoch from before the fence (a lease taken before the reshard,
+        # whose writes the fence refuses until it steps down).
+        violations: list[tuple[str, int, int]] = []
+
+        async def monitor() -> None:
+            while True:
+                for replica in (old, late):
+                    for k, stats in replica.loop.shard_stats().items():
+                        if stats.is_leader and stats.epoch > fence:
+                            violations.append((replica.name, k, stats.epoch))
+                await asyncio.sleep(0.01)
+
+        monitoring = asyncio.create_task(monitor())
+        feeding.append(monitoring)
+        await late.loop.start()
+        feeding.append(asyncio.create_task(late.feed_forever()))
+
+        def new_leads_all() -> bool:
+            stats = new.loop.shard_stats()
+            return new.loop.held_shards() == [0, 1] and all(
+                stats[k].epoch > fence for k in range(2)
+            )
+
+        await eventually(new_leads_all, timeout=60, message=f"new leads: {new.loop!r}")
+        assert old.rejected > 0, "the old leader's writes were refused by the fence"
+        await eventually(lambda: old.loop._layout_backoff > 0, timeout=20, message="old refused")
+        assert old.loop.held_shards() == [] and late.loop.held_shards() == []
+        assert violations == []
+
+        # Every entity is written in its new shard's scope by the new replica.
+        async def written() -> bool:
+            placed = await rows(dsn, TABLE, rid)
+            return set(placed) == set(ENTITIES) and all(
+                where == [(shard_id(rid, ShardAssignment(2).shard_of(e)), where[0][1])]
+                and where[0][1] > fence
+                for e, where in placed.items()
+            )
+
+        await eventually(written, timeout=20, message="written by the new layout")
+    finally:
+        for task in feeding:
+            task.cancel()
+        await asyncio.gather(*feeding, return_exceptions=True)
+        for replica in (late, new, old):
+            await replica.close()
+
+
+# -- redrive requests and a reshard ------------------------------------------------------------
+
+
+def moving_entities(old: ShardAssignment, new: ShardAssignment, count: int) -> list[str]:
+    """``count`` entities of old shard 0 that another shard takes in ``new``."""
+    found = [
+        entity
+        for entity in (f"ns/dev-{i}" for i in range(10_000))
+        if old.shard_of(entity) == 0 and new.shard_of(entity) != 0
+    ]
+    return found[:count]
+
+
+async def test_a_redrive_request_during_a_reshard_lands_once_in_the_new_scope(
+    dsn: str,
+) -> None:
+    rid = fresh_id()
+    old_layout, new_layout = ShardAssignment(4), ShardAssignment(3)
+    requested_before, requested_during = moving_entities(old_layout, new_layout, 2)
+    base, parts = await sharded_repositories(dsn, rid, 4)
+    paused = await asyncpg.connect(dsn)
+    tool = PostgresFencedRepository(dsn, lock_timeout=20)  # `kopf-reconcile redrive`'s
+    try:
+        await parts[0].record_epoch(5, "old")
+        for entity in (requested_before, requested_during):
+            assert await parts[0].apply_fenced(entity, 5, {"v": 1})
+            assert await parts[0].record_dead_letter(entity, 5, "boom")
+        assert await tool.request_redrive(requested_before) == [requested_before]
+        # The reshard pauses in its transaction right after it moved the redrive requests.
+        await paused.execute(f"""
+            CREATE FUNCTION pause_reshard() RETURNS trigger AS $$
+            BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$ LANGUAGE plpgsql;
+            CREATE TRIGGER pause_reshard AFTER UPDATE ON {TABLE}_redrives
+              FOR EACH STATEMENT EXECUTE FUNCTION pause_reshard();""")
+
+        async def reshard() -> Any:
+            async with PostgresFencedRepository(dsn, scope=rid) as admin:
+                return await admin.reshard(3)
+
+        resharding = asyncio.create_task(reshard())
+
+        async def sleeping() -> bool:
+            return bool(
+                await paused.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'"
+                )
+            )
+
+        await eventually(sleeping, message="the reshard pauses in its transaction")
+        during = asyncio.gather(
+            tool.request_redrive(requested_during), tool.request_redrive(requested_before)
+        )
+        await asyncio.sleep(0.5)
+        assert not during.done(), "a redrive request waits for the reshard in progress"
+        assert await during == [[requested_during], [requested_before]]
+        report = await resharding
+        assert report.redrives_moved == 1 and report.duplicates_dropped == 0
+        await paused.execute(f"DROP TRIGGER pause_reshard ON {TABLE}_redrives")
+        homes = {
+            e: shard_id(rid, new_layout.shard_of(e)) for e in (requested_before, requested_during)
+        }
+        requests = await rows(dsn, f"{TABLE}_redrives", rid)
+        assert {e: [s for s, _ in where] for e, where in requests.items()} == {
+            e: [home] for e, home in homes.items()
+        }
+        letters = await rows(dsn, f"{TABLE}_dead_letters", rid)
+        assert {e: [s for s, _ in where] for e, where in letters.items()} == {
+            e: [home] for e, home in homes.items()
+        }
+        # Each new shard's leader takes the requests of its own entities only.
+        new_base, new = await sharded_repositories(dsn, rid, 3)
+        try:
+            taken: dict[str, int] = {}
+            for k, part in enumerate(new):
+                await part.record_epoch(report.fence_epoch + 1, "new")
+                for entity in await part.take_redrives(report.fence_epoch + 1):
+                    taken[entity] = k
+            assert taken == {e: new_layout.shard_of(e) for e in homes}
+        finally:
+            await new_base.close()
+    finally:
+        await paused.close()
+        await tool.close()
+        await base.close()
+
+
+async def test_redrive_requests_takes_and_reshards_together_never_deadlock(dsn: str) -> None:
+    rid = fresh_id()
+    layouts = [3, 5, 2, 4]
+    entities = [f"ns-{i % 3}/dev-{i}" for i in range(30)]
+    base, parts = await sharded_repositories(dsn, rid, 4)
+    initial = ShardAssignment(4)
+    for k, part in enumerate(parts):
+        await part.record_epoch(1, f"old-{k}")
+    for entity in entities:
+        k = initial.shard_of(entity)
+        assert await parts[k].apply_fenced(entity, 1, {"v": 1})
+        assert await parts[k].record_dead_letter(entity, 1, "boom")
+    errors: list[BaseException] = []
+    requested: set[str] = set()
+    taken: set[str] = set()
+    epochs = iter(range(1_000, 10**9, 1_000))  # each take above any fence before it
+    stop = asyncio.Event()
+    scopes = [PostgresFencedRepository(dsn, scope=shard_id(rid, k)) for k in range(max(layouts))]
+    tool = PostgresFencedRepository(dsn)
+
+    async def guarded(step: Any) -> None:
+        while not stop.is_set():
+            try:
+                await step()
+            except Exception as exc:
+                errors.append(exc)
+                return
+            await asyncio.sleep(0)
+
+    async def request_all() -> None:
+        requested.update(await tool.request_redrive(scope=None))
+
+    async def request_one() -> None:
+        requested.update(await tool.request_redrive(secrets.choice(entities)))
+
+    def take(repository: PostgresFencedRepository) -> Any:
+        async def step() -> None:
+            taken.update(await repository.take_redrives(next(epochs)))
+
+        return step
+
+    async def write_old() -> None:  # the old layout's writers, refused once resharded
+        entity = secrets.choice(entities)
+        k = initial.shard_of(entity)
+        await parts[k].apply_fenced(entity, 1, {"v": 2})
+        await parts[k].record_dead_letter(entity, 1, "again")
+
+    workers = [
+        asyncio.create_task(guarded(step))
+        for step in (request_all, request_all, request_one, write_old)
+    ] + [asyncio.create_task(guarded(take(repository))) for repository in scopes]
+    resharded = 0
+    try:
+        async with PostgresFencedRepository(dsn, scope=rid) as admin:
+            deadline = asyncio.get_running_loop().time() + 4.0
+            while asyncio.get_running_loop().time() < deadline and not errors:
+                await admin.reshard(layouts[resharded % len(layouts)])
+                resharded += 1
+                await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+        for repository in [*scopes, tool]:
+            await repository.close()
+        await base.close()
+    assert errors == []
+    assert resharded >= 4
+    final = ShardAssignment(layouts[(resharded - 1) % len(layouts)])
+    requests = await rows(dsn, f"{TABLE}_redrives", rid)
+    for entity, where in requests.items():
+        assert [s for s, _ in where] == [shard_id(rid, final.shard_of(entity))], entity
+    letters = await rows(dsn, f"{TABLE}_dead_letters", rid)
+    assert set(letters) == set(entities)
+    for entity, where in letters.items():
+        assert [s for s, _ in where] == [shard_id(rid, final.shard_of(entity))], entity
+    assert requested and requested <= taken | set(requests), "no redrive request lost"
+
+
+# -- a replica of the previous release (rolling upgrade) -----------------------------------
+
+
+def previous_release_record_sql() -> str:
+    """How a release without the layout check records an epoch: plain lease equality."""
+    return f"""
+        INSERT INTO {TABLE}_epochs AS led (scope, epoch, lease, holder)
+        VALUES ($1, $2, $3, $4)
+        ON CONFLICT (scope) DO UPDATE
+           SET epoch = GREATEST(led.epoch, EXCLUDED.epoch),
+               lease = EXCLUDED.lease,
+               holder = CASE WHEN EXCLUDED.epoch > led.epoch OR led.holder IS NULL
+                             THEN EXCLUDED.holder ELSE led.holder END
+         WHERE led.lease IS NULL OR led.lease = EXCLUDED.lease
+        RETURNING epoch, holder
+    """
+
+
+async def test_a_previous_release_replica_never_leads_a_resharded_shard(dsn: str) -> None:
+    rid = fresh_id()
+    base, old = await sharded_repositories(dsn, rid, 4)
+    connection = await asyncpg.connect(dsn)
+    try:
+        await old[0].record_epoch(3, "old-release")
+        # Without a reshard, the previous release records epochs as before (rolling
+        # upgrades and rollbacks keep working).
+        recorded = await connection.fetchrow(
+            previous_release_record_sql(), shard_id(rid, 1), 4, shard_id(rid, 1), "previous"
+        )
+        assert recorded is not None and int(recorded["epoch"]) == 4
+        await old[1].record_epoch(5, "this-release")
+        async with PostgresFencedRepository(dsn, scope=rid) as admin:
+            report = await admin.reshard(3)
+        fence = report.fence_epoch
+        # Each shard scope names its lease qualified by the new layout...
+        leases = dict(
+            await connection.fetch(
+                f"SELECT scope, lease FROM {TABLE}_epochs WHERE starts_with(scope, $1)",
+                f"{rid}-shard-",
+            )
+        )
+        assert leases == {shard_id(rid, k): f"{shard_id(rid, k)}@shards=3" for k in range(4)}
+        # ... so a previous-release replica (above the fence: its epoch floor) is refused
+        # by the server in every shard scope, old and new.
+        for k in range(4):
+            refused = await connection.fetchrow(
+                previous_release_record_sql(), shard_id(rid, k), fence + 7, shard_id(rid, k), "p"
+            )
+            assert refused is None, k
+        # So are this release's replicas of the old layout, by their layout check.
+        with pytest.raises(ShardLayoutError):
+            await old[0].record_epoch(fence + 7, "old-layout")
+        # A replica of the new layout leads every shard, and the qualified lease stays.
+        new_base, new = await sharded_repositories(dsn, rid, 3)
+        try:
+            for part in new:
+                await part.record_epoch(fence + 1, "new-layout")
+            entity = ENTITIES[0]
+            home = ShardAssignment(3).shard_of(entity)
+            assert await new[home].apply_fenced(entity, fence + 1, {"by": "new"})
+        finally:
+            await new_base.close()
+        assert (
+            await connection.fetchval(
+                f"SELECT lease FROM {TABLE}_epochs WHERE scope = $1", shard_id(rid, 0)
+            )
+            == f"{shard_id(rid, 0)}@shards=3"
+        )
+        epochs = dict(
+            await connection.fetch(
+                f"SELECT scope, epoch FROM {TABLE}_epochs WHERE starts_with(scope, $1)",
+                f"{rid}-shard-",
+            )
+        )
+        assert epochs == {shard_id(rid, k): fence + (k < 3) for k in range(4)}
+        placed = await rows(dsn, TABLE, rid)
+        assert placed == {ENTITIES[0]: [(shard_id(rid, home), fence + 1)]}
+    finally:
+        await connection.close()
+        await base.close()
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+async def test_an_entity_fenced_in_two_shard_scopes_is_refused_and_nothing_changes(
+    dsn: str,
+) -> None:
+    rid = fresh_id()
+    base, parts = await sharded_repositories(dsn, rid, 2)
+    layout = ShardAssignment(2)
+    entity = ENTITIES[0]
+    k = layout.shard_of(entity)
+    try:
+        for part in parts:
+            await part.record_epoch(4, "h")
+        assert await parts[k].apply_fenced(entity, 4, {"v": 1})
+        # A row of the same entity in the other shard's scope (a layout once changed by hand).
+        async with PostgresFencedRepository(dsn, scope=shard_id(rid, 1 - k)) as stray:
+            stray.bind_loop(reconciler_id=shard_id(rid, 1 - k), tenancy=kr.Tenancy.TENANT_SCOPED)
+            assert await stray.apply_fenced(entity, 9, {"v": "stray"})
+        before = await rows(dsn, TABLE, rid)
+        async with PostgresFencedRepository(dsn, scope=rid) as admin:
+            with pytest.raises(kr.ConfigError) as refused:
+                await admin.reshard(3)
+        message = str(refused.value)
+        assert repr(entity) in message and "two shard scopes" in message
+        assert repr(shard_id(rid, 0)) in message and repr(shard_id(rid, 1)) in message
+        assert "DELETE FROM" in message and "Nothing changed" in message
+        assert await rows(dsn, TABLE, rid) == before
+        await parts[0].record_epoch(5, "h")  # still the layout, and not fenced
+        # Duplicate redrive requests (no epoch to compare) are merged, and counted.
+        connection = await asyncpg.connect(dsn)
+        try:
+            await connection.execute(
+                f"DELETE FROM {TABLE} WHERE scope = $1 AND entity_id = $2",
+                shard_id(rid, 1 - k),
+                entity,
+            )
+            await connection.execute(
+                f"INSERT INTO {TABLE}_redrives (scope, entity_id) VALUES ($1, $3), ($2, $3)",
+                shard_id(rid, 0),
+                shard_id(rid, 1),
+                entity,
+            )
+        finally:
+            await connection.close()
+        async with PostgresFencedRepository(dsn, scope=rid) as admin:
+            report = await admin.reshard(3)
+        assert report.duplicates_dropped == 1
+        requests = await rows(dsn, f"{TABLE}_redrives", rid)
+        assert [s for s, _ in requests[entity]] == [
+            shard_id(rid, ShardAssignment(3).shard_of(entity))
+        ]
+    finally:
+        await base.close()
+
+
+async def test_the_reshard_command_refuses_bad_counts_alike_and_creates_no_table(
+    dsn: str,
+) -> None:
+    # An empty database (a wrong URL): nothing is created, and the message says why.
+    code, _, err = await command("reshard", "--reconciler", "devices", "--shards", "3", dsn=dsn)
+    assert code == 2 and "missing" in err and "changed nothing" in err, err
+    connection = await asyncpg.connect(dsn)
+    try:
+        assert await connection.fetchval("SELECT to_regclass($1)", TABLE) is None
+        assert await connection.fetchval("SELECT to_regclass($1)", f"{TABLE}_epochs") is None
+    finally:
+        await connection.close()
+    for shards in ("1", "5000"):
+        code, _, err = await command(
+            "reshard", "--reconciler", "devices", "--shards", shards, dsn=dsn
+        )
+        assert code == 2 and f"from 2 to 1024, got {shards}" in err, err
+    async with PostgresFencedRepository(dsn) as repository:
+        await repository.migrate()
+    code, _, err = await command("reshard", "--reconciler", "never", "--shards", "3", dsn=dsn)
+    assert code == 2 and "was never led nor sharded" in err and "None" not in err, err
+    code, out, _ = await command("reshard", "--help", dsn=dsn)
+    assert "explicit scope" in out
