@@ -67,6 +67,19 @@ def _work_delay() -> float:
 WORK_DELAY = _work_delay()
 
 
+def _shards() -> int:
+    raw = os.environ.get("DEVICES_SHARDS", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise kr.ConfigError(f"DEVICES_SHARDS must be a whole number, got {raw!r}") from None
+
+
+# Shards of the Devices (1 by default: one leader). With N > 1 each shard is led under a
+# lease of its own, so the replicas share the work (``kopf-reconcile demo --shards 8``).
+SHARDS = _shards()
+
+
 @kr.reconciler(
     GROUP,
     VERSION,
@@ -74,6 +87,7 @@ WORK_DELAY = _work_delay()
     tenancy=kr.Tenancy.TENANT_SCOPED,
     concurrency=8,
     generation_changed=True,  # our own status patches do not trigger us again
+    shards=SHARDS,
 )
 async def reconcile_device(req: kr.Request) -> kr.Result | None:
     body = kr.cached(req)

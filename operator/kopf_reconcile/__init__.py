@@ -23,6 +23,7 @@ from kopf_reconcile.fencing.protocol import (
     DeadLetter,
     DeadLetterStore,
     FencedRepository,
+    ShardableRepository,
     StaleEpochError,
 )
 from kopf_reconcile.fencing.writer import FencedWriter, fenced_writer
@@ -71,6 +72,7 @@ __all__ = [
     "Reconciler",
     "Request",
     "Result",
+    "ShardableRepository",
     "StaleEpochError",
     "Tenancy",
     "TickerTrigger",

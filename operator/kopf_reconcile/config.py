@@ -82,6 +82,10 @@ class LoopConfig:
     #: Set by a sharded reconciler on the Loop of each of its shards: that Loop's
     #: reconciler id is ``<id>-shard-<k>``, a suffix no other reconciler may take.
     shard_of: str | None = None
+    #: Set with ``shard_of``: the ``controller`` and ``shard`` labels of that Loop's
+    #: metrics (the sharded reconciler's name, the shard's number); None: the Loop's
+    #: own name and ``shard=""``.
+    metric_labels: tuple[str, str] | None = None
 
     def names(self) -> tuple[str, str]:
         """The controller name (metrics, logs) and the reconciler id (lease, fencing scope)."""

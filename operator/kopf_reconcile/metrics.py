@@ -6,6 +6,15 @@ their dashboards carry over. :func:`register_metrics` creates every
 instrument on a registry; a Loop given the resulting :class:`Metrics`
 pre-binds its label set at start and initialises every series to 0. Set a
 field to ``None`` to disable that instrument.
+
+The ``shard`` label. A sharded reconciler (``shards=N``) runs one Loop per shard,
+each under a lease and an epoch of its own, so its state is per shard: every
+counter and gauge carries ``shard`` (``"0"`` .. ``"N-1"``) next to ``controller``
+(or ``name``), which stays the reconciler's name. An unsharded reconciler's series
+carry ``shard=""``, which Prometheus stores as no label at all: its queries and
+its series read as if the label did not exist. Histograms carry no ``shard``
+(N times their buckets would buy little): the shards a replica leads observe into
+one series per controller.
 """
 
 from __future__ import annotations
@@ -61,7 +70,9 @@ class Metrics:
 def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
     """Create every instrument on ``registry`` (prometheus-client's default one if None)."""
     reg = REGISTRY if registry is None else registry
-    ctl = ("controller",)
+    ctl = ("controller",)  # histograms: one series per controller, whatever its shards
+    ctl_shard = ("controller", "shard")
+    queue_shard = ("name", "shard")
 
     def name(metric: str) -> str:
         return f"{PREFIX}_{metric}"
@@ -70,11 +81,11 @@ def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
         reconcile_total=Counter(
             name("reconcile_total"),
             "Reconciles per controller and result.",
-            [*ctl, "result"],
+            [*ctl_shard, "result"],
             registry=reg,
         ),
         reconcile_errors_total=Counter(
-            name("reconcile_errors_total"), "Reconciles that failed.", ctl, registry=reg
+            name("reconcile_errors_total"), "Reconciles that failed.", ctl_shard, registry=reg
         ),
         reconcile_time_seconds=Histogram(
             name("reconcile_time_seconds"),
@@ -83,19 +94,29 @@ def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             buckets=RECONCILE_TIME_BUCKETS,
             registry=reg,
         ),
-        active_workers=Gauge(name("active_workers"), "Reconciles running now.", ctl, registry=reg),
-        max_concurrent_reconciles=Gauge(
-            name("max_concurrent_reconciles"), "Configured worker count.", ctl, registry=reg
+        active_workers=Gauge(
+            name("active_workers"), "Reconciles running now.", ctl_shard, registry=reg
         ),
-        leader=Gauge(name("leader"), "1 while this process holds the lease.", ctl, registry=reg),
-        epoch=Gauge(name("epoch"), "Fencing epoch of the lease held.", ctl, registry=reg),
+        max_concurrent_reconciles=Gauge(
+            name("max_concurrent_reconciles"), "Configured worker count.", ctl_shard, registry=reg
+        ),
+        leader=Gauge(
+            name("leader"),
+            "1 while this process holds the lease (its shard's, with a shard label).",
+            ctl_shard,
+            registry=reg,
+        ),
+        epoch=Gauge(name("epoch"), "Fencing epoch of the lease held.", ctl_shard, registry=reg),
         lease_transitions_total=Counter(
-            name("lease_transitions_total"), "Leases acquired by this process.", ctl, registry=reg
+            name("lease_transitions_total"),
+            "Leases acquired by this process.",
+            ctl_shard,
+            registry=reg,
         ),
         lease_errors_total=Counter(
             name("lease_errors_total"),
             "Failed lease acquisitions and renewals.",
-            ctl,
+            ctl_shard,
             registry=reg,
         ),
         lease_permanent_errors_total=Counter(
@@ -103,7 +124,7 @@ def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             "Lease requests refused with a client error that retrying cannot fix "
             "(4xx but 408, 409, 429: forbidden, namespace not found, invalid); "
             "also counted in lease_errors_total.",
-            ctl,
+            ctl_shard,
             registry=reg,
         ),
         lease_renew_seconds=Histogram(
@@ -112,21 +133,21 @@ def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
         workqueue_depth=Gauge(
             name("workqueue_depth"),
             "Entities ready to run while leading (0 on a follower: see follower_backlog).",
-            ("name",),
+            queue_shard,
             registry=reg,
         ),
         follower_backlog=Gauge(
             name("follower_backlog"),
             "Entities a follower keeps for when it leads (every object it has seen); "
             "not a work queue, 0 while leading.",
-            ("name",),
+            queue_shard,
             registry=reg,
         ),
         workqueue_adds_total=Counter(
-            name("workqueue_adds_total"), "Triggers received.", ("name",), registry=reg
+            name("workqueue_adds_total"), "Triggers received.", queue_shard, registry=reg
         ),
         workqueue_retries_total=Counter(
-            name("workqueue_retries_total"), "Retries after errors.", ("name",), registry=reg
+            name("workqueue_retries_total"), "Retries after errors.", queue_shard, registry=reg
         ),
         workqueue_queue_duration_seconds=Histogram(
             name("workqueue_queue_duration_seconds"),
@@ -143,12 +164,12 @@ def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             registry=reg,
         ),
         dead_letter_entities=Gauge(
-            name("dead_letter_entities"), "Entities dead-lettered now.", ctl, registry=reg
+            name("dead_letter_entities"), "Entities dead-lettered now.", ctl_shard, registry=reg
         ),
         fenced_writes_total=Counter(
             name("fenced_writes_total"),
             "Fenced writes per outcome.",
-            [*ctl, "outcome"],
+            [*ctl_shard, "outcome"],
             registry=reg,
         ),
     )
@@ -176,6 +197,8 @@ class BoundMetrics:
     Binding initialises every series to 0, so dashboards and alerts see the
     controller from its first scrape. Gauges that mirror loop state are read
     at scrape time from the callables given, costing nothing per reconcile.
+    ``shard`` is the ``shard`` label of the counters and gauges: the shard's number
+    for the Loop of one shard of a sharded reconciler, ``""`` otherwise.
     """
 
     def __init__(
@@ -183,6 +206,7 @@ class BoundMetrics:
         metrics: Metrics | None,
         controller: str,
         *,
+        shard: str = "",
         depth: Callable[[], float] | None = None,
         backlog: Callable[[], float] | None = None,
         in_flight: Callable[[], float] | None = None,
@@ -207,26 +231,26 @@ class BoundMetrics:
             child.set(0)
             return child
 
-        self.results = {r: counter(m.reconcile_total, controller, r) for r in RESULTS}
-        self.errors = counter(m.reconcile_errors_total, controller)
+        self.results = {r: counter(m.reconcile_total, controller, shard, r) for r in RESULTS}
+        self.errors = counter(m.reconcile_errors_total, controller, shard)
         self.reconcile_time = hist(m.reconcile_time_seconds, controller)
-        self.active_workers = gauge(m.active_workers, controller)
-        self.max_concurrent = gauge(m.max_concurrent_reconciles, controller)
-        self.leader = gauge(m.leader, controller)
-        self.epoch = gauge(m.epoch, controller)
-        self.lease_transitions = counter(m.lease_transitions_total, controller)
-        self.lease_errors = counter(m.lease_errors_total, controller)
-        self.lease_permanent_errors = counter(m.lease_permanent_errors_total, controller)
+        self.active_workers = gauge(m.active_workers, controller, shard)
+        self.max_concurrent = gauge(m.max_concurrent_reconciles, controller, shard)
+        self.leader = gauge(m.leader, controller, shard)
+        self.epoch = gauge(m.epoch, controller, shard)
+        self.lease_transitions = counter(m.lease_transitions_total, controller, shard)
+        self.lease_errors = counter(m.lease_errors_total, controller, shard)
+        self.lease_permanent_errors = counter(m.lease_permanent_errors_total, controller, shard)
         self.lease_renew = hist(m.lease_renew_seconds, controller)
-        self.depth = gauge(m.workqueue_depth, controller)
-        self.backlog = gauge(m.follower_backlog, controller)
-        self.adds = counter(m.workqueue_adds_total, controller)
-        self.retries = counter(m.workqueue_retries_total, controller)
+        self.depth = gauge(m.workqueue_depth, controller, shard)
+        self.backlog = gauge(m.follower_backlog, controller, shard)
+        self.adds = counter(m.workqueue_adds_total, controller, shard)
+        self.retries = counter(m.workqueue_retries_total, controller, shard)
         self.queue_duration = hist(m.workqueue_queue_duration_seconds, controller)
         self.work_duration = hist(m.workqueue_work_duration_seconds, controller)
-        self.dead_letters = gauge(m.dead_letter_entities, controller)
+        self.dead_letters = gauge(m.dead_letter_entities, controller, shard)
         self.fenced_writes = {
-            o: counter(m.fenced_writes_total, controller, o) for o in FENCED_OUTCOMES
+            o: counter(m.fenced_writes_total, controller, shard, o) for o in FENCED_OUTCOMES
         }
         for instrument, fn in (
             (self.depth, depth),

@@ -96,7 +96,7 @@ class Operator:
 
     async def is_leader(self) -> bool:
         samples = await self.metrics()
-        return samples.get(f'kopf_reconcile_leader{{controller="{CONTROLLER}"}}') == 1.0
+        return samples.get(f'kopf_reconcile_leader{{controller="{CONTROLLER}",shard=""}}') == 1.0
 
     async def reconciles(self) -> float:
         """How many reconciles this process ran (any result)."""

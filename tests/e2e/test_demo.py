@@ -54,6 +54,56 @@ def test_demo_runs_the_story_and_every_invariant_holds() -> None:
     assert workdir and not Path(workdir.group(1)).exists()
 
 
+def test_sharded_demo_moves_only_the_killed_replicas_shards() -> None:
+    result = subprocess.run(
+        [*DEMO, "--shards", "8", "--objects", "24", "--ttl", "3", "--work-delay", "0.05"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert summary_value(output, "shards shared") == "8"
+    assert summary_value(output, "converged") == "24"
+    assert summary_value(output, "stale writes accepted") == "0"
+    assert summary_value(output, "lost updates") == "0"
+    assert "every invariant held" in output
+    # Three replicas shared the shards, each holding some, every shard held once.
+    before = re.search(r"shards held per replica \(from their /metrics\)\n((?:  .*\n)+)", output)
+    assert before, output
+    held = re.findall(r"^\s+replica-\d\s+running\s+(\d+)\s+(.*)$", before.group(1), re.MULTILINE)
+    assert len(held) == 3 and all(int(count) >= 1 for count, _ in held), before.group(1)
+    shards = sorted(int(k) for _, listed in held for k in re.findall(r"(\d+)\(\d+\)", listed))
+    assert shards == list(range(8)), before.group(1)
+    # Only the killed replica's shards moved, each to a survivor at a higher epoch; every
+    # other shard kept its holder and its epoch.
+    killed = int(summary_value(output, "killed replica's shards"))
+    assert killed >= 1
+    assert summary_value(output, "shards moved") == str(killed)
+    assert summary_value(output, "kept holder and epoch") == str(8 - killed)
+    assert summary_value(output, "taken over at a higher epoch") == str(killed)
+    table = re.search(
+        r"shard holders before and after the SIGKILL of (replica-\d)\n((?:  .*\n)+)", output
+    )
+    assert table, output
+    victim = table.group(1)
+    rows = re.findall(
+        r"^\s+(\d+)\s+(replica-\d) @ (\d+)\s+(replica-\d) @ (\d+)\s+(moved|kept)$",
+        table.group(2),
+        re.MULTILINE,
+    )
+    assert len(rows) == 8, table.group(2)
+    for _, old, old_epoch, new, new_epoch, verdict in rows:
+        if old == victim:
+            assert verdict == "moved" and new != victim and int(new_epoch) > int(old_epoch)
+        else:
+            assert verdict == "kept" and (new, new_epoch) == (old, old_epoch)
+    workdir = re.search(r"workdir (\S+?)\)", output)
+    assert workdir and not Path(workdir.group(1)).exists()
+
+
 def test_demo_rejects_bad_options_clearly() -> None:
     result = subprocess.run(
         [*DEMO, "--replicas", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -61,6 +111,12 @@ def test_demo_rejects_bad_options_clearly() -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "--replicas must be >= 3" in result.stderr
+    result = subprocess.run(
+        [*DEMO, "--shards", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--shards must be from 1 to 64" in result.stderr
 
 
 def _processes() -> dict[int, str]:

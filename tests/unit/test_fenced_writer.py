@@ -136,9 +136,10 @@ async def test_stale_epoch_is_fenced_steps_down_and_converges_without_backoff() 
     assert stale_epochs == [1, 2] and accepted == [3]  # each fence made it step down
     assert repo.applied == [("dev-1", 3, {"epoch": 3})]
     fenced = registry.get_sample_value(
-        "kopf_reconcile_reconcile_total", {"controller": "devices", "result": "fenced"}
+        "kopf_reconcile_reconcile_total", {"controller": "devices", "shard": "", "result": "fenced"}
     )
     writes = registry.get_sample_value(
-        "kopf_reconcile_fenced_writes_total", {"controller": "devices", "outcome": "stale"}
+        "kopf_reconcile_fenced_writes_total",
+        {"controller": "devices", "shard": "", "outcome": "stale"},
     )
     assert fenced == 2 and writes == 2

@@ -113,7 +113,7 @@ async def test_lost_lease_cancels_in_flight_reconciles_at_once() -> None:
     assert metrics.leader is not None
     async with loop:
         await eventually(lambda: loop.stats().is_leader)
-        assert metrics.leader.labels("devices")._value.get() == 1
+        assert metrics.leader.labels("devices", "")._value.get() == 1
         await loop.enqueue(kr.Request("slow"))
         await started.wait()
         # Another holder takes the lease over (as after an expiry elsewhere).
@@ -121,7 +121,7 @@ async def test_lost_lease_cancels_in_flight_reconciles_at_once() -> None:
         await MemoryLeaseElector(store, kr.LeaseTTL(60)).acquire_lease(RID)
         await asyncio.wait_for(cancelled.wait(), 2)
         assert not loop.stats().is_leader
-        assert metrics.leader.labels("devices")._value.get() == 0
+        assert metrics.leader.labels("devices", "")._value.get() == 0
         assert loop.stats().queued >= 1  # the interrupted entity is kept, not lost
 
 

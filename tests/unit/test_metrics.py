@@ -8,12 +8,19 @@ import prometheus_client
 
 import kopf_reconcile as kr
 from kopf_reconcile.metrics import RECONCILE_TIME_BUCKETS, RESULTS
+from kopf_reconcile.sharded_loop import ShardedLoop
+from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import eventually
+
+HISTOGRAM_SAMPLES = ("_bucket", "_sum", "_count")
 
 
 def sample(
     registry: prometheus_client.CollectorRegistry, metric: str, **labels: str
 ) -> float | None:
+    """A sample's value; counters and gauges of an unsharded Loop carry ``shard=""``."""
+    if not metric.endswith(HISTOGRAM_SAMPLES):
+        labels.setdefault("shard", "")
     return registry.get_sample_value(f"kopf_reconcile_{metric}", labels)
 
 
@@ -164,3 +171,51 @@ async def test_a_follower_exports_its_backlog_apart_from_the_work_queue() -> Non
                 assert sample(registry, "follower_backlog", name="a") == 0
             finally:
                 release.set()
+
+
+async def test_a_sharded_reconcilers_series_carry_its_name_and_a_shard_label() -> None:
+    registry = prometheus_client.CollectorRegistry()
+
+    async def reconcile(req: kr.Request) -> None:
+        return None
+
+    loop = (
+        kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+        .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+        .with_leader(MemoryLeaseElector(MemoryLeaseStore(), kr.LeaseTTL(2)))
+        .with_renew_interval(0.05)
+        .with_metrics(kr.register_metrics(registry))
+        .with_name("devices")
+        .with_reconciler_id("devices")
+        .with_shards(3)
+        .build()
+    )
+    assert isinstance(loop, ShardedLoop)
+    shards = ("0", "1", "2")
+
+    def value(metric: str, k: str, **labels: str) -> float:
+        return sample(registry, metric, shard=k, **labels) or 0
+
+    def successes(k: str) -> float:
+        return value("reconcile_total", k, controller="devices", result="success")
+
+    async with loop:
+        await eventually(
+            lambda: all(value("leader", k, controller="devices") == 1 for k in shards), timeout=10
+        )
+        for k in shards:
+            assert value("epoch", k, controller="devices") >= 1
+            assert sample(registry, "workqueue_depth", name="devices", shard=k) == 0
+        # Each shard's new leader resyncs its shard first: count from there.
+        await eventually(lambda: sum(successes(k) for k in shards) == 3)
+        before = {k: successes(k) for k in shards}
+        home = str(loop.shard_of("e1"))
+        await loop.enqueue(kr.Request("e1"))
+        await eventually(lambda: successes(home) == before[home] + 1)
+        for k in shards:
+            assert successes(k) == before[k] + (k == home), k
+        # The histograms: one series for the reconciler, whichever shard observed.
+        assert sample(registry, "reconcile_time_seconds_count", controller="devices") == 4
+    # No series under a shard's Loop name, nor an unsharded one.
+    assert sample(registry, "leader", controller="devices-shard-0", shard="0") is None
+    assert sample(registry, "leader", controller="devices") is None

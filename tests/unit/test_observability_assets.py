@@ -49,10 +49,14 @@ def exported_series() -> Series:
     """Every sample name the operator's registry exposes, with its labels and their values.
 
     The instruments are bound as a Loop binds them at start (every label set of every
-    instrument, initialised), so each histogram exposes its buckets, sum and count.
+    instrument, initialised), so each histogram exposes its buckets, sum and count: an
+    unsharded reconciler's (``shard=""``) and the Loops of a sharded one's two shards.
     """
     registry = CollectorRegistry()
-    BoundMetrics(register_metrics(registry), "devices")
+    metrics = register_metrics(registry)
+    BoundMetrics(metrics, "devices")
+    for shard in ("0", "1"):
+        BoundMetrics(metrics, "sharded", shard=shard)
     series: Series = {}
     for family in registry.collect():
         for sample in family.samples:
@@ -405,12 +409,31 @@ def test_alerts_are_the_promised_ones_with_severity_and_annotations() -> None:
     for name, rule in by_name.items():
         assert rule["labels"]["severity"] in ("critical", "warning"), name
         assert {"summary", "description", "runbook_url"} <= set(rule["annotations"]), name
-        # Every alert is per reconciler, so it names the reconciler it is about.
+        # Every alert is per reconciler, so it names the reconciler it is about; those
+        # about a lease fire per shard of a sharded reconciler, and name it.
         assert "$labels.controller" in rule["annotations"]["summary"], name
-        assert labels_of(parse(rule["expr"]), exported_series(), Check()) == {
-            "namespace",
-            "controller",
-        }, f"{name} fires per namespace and reconciler"
+        fires_per = labels_of(parse(rule["expr"]), exported_series(), Check())
+        if name in PER_LEASE_ALERTS:
+            assert fires_per == {"namespace", "controller", "shard"}, f"{name} fires per lease"
+            assert "$labels.shard" in rule["annotations"]["summary"], name
+        else:
+            assert fires_per == {"namespace", "controller"}, f"{name} fires per reconciler"
+
+
+#: Alerts about a lease: a shard of a sharded reconciler without a leader, or flapping,
+#: is a problem of its own even when the other shards are fine.
+PER_LEASE_ALERTS = frozenset({"KopfReconcileNoLeader", "KopfReconcileLeaderFlapping"})
+
+
+def test_the_shard_label_is_on_counters_and_gauges_not_on_histograms(series: Series) -> None:
+    registry = CollectorRegistry()
+    register_metrics(registry)
+    for family in registry.collect():
+        if family.type == "histogram":
+            assert "shard" not in series[f"{family.name}_count"], family.name
+        else:  # unsharded: "" (no label, to Prometheus); a shard: its number
+            exposed = family.name + ("_total" if family.type == "counter" else "")
+            assert series[exposed]["shard"] == {"", "0", "1"}, family.name
 
 
 def test_every_runbook_url_points_at_its_section_of_operations_md() -> None:

@@ -3,9 +3,11 @@
 Three replicas of the example operator run as separate processes; the demo
 creates Devices, kills the leader, pauses the next one past its lease and
 resumes it, and checks that every Device converged with no stale write
-accepted and no update lost (see :mod:`kopf_reconcile.demo.story`). It exits 0
-only if every invariant held, and cleans up every process and temporary
-directory, also on failure or Ctrl-C.
+accepted and no update lost (see :mod:`kopf_reconcile.demo.story`). With
+``--shards N`` the replicas share N shards instead, and the SIGKILL of one moves
+only its shards (see :mod:`kopf_reconcile.demo.sharded`). It exits 0 only if
+every invariant held, and cleans up every process and temporary directory, also
+on failure or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import sys
 
 from kopf_reconcile.api import ConfigError
+from kopf_reconcile.demo import sharded
 from kopf_reconcile.demo.stack import DemoError
 from kopf_reconcile.demo.story import Demo, Options, Summary
 from kopf_reconcile.demo.view import View
@@ -24,14 +27,15 @@ __all__ = ["Options", "run"]
 
 def run(options: Options) -> int:
     """Run the demo; returns the process exit code."""
-    view = View()
+    view = View(sharded=options.shards > 1)
     try:
-        demo = Demo(options, view)
+        demo = sharded.ShardedDemo(options, view) if options.shards > 1 else Demo(options, view)
     except ConfigError as exc:
         print(f"kopf-reconcile demo: {exc}", file=sys.stderr)
         return 2
+    shards = f", {options.shards} shards" if options.shards > 1 else ""
     view.note(
-        f"kopf-reconcile demo: {options.objects} Devices, {options.replicas} replicas "
+        f"kopf-reconcile demo: {options.objects} Devices, {options.replicas} replicas{shards} "
         f"(workdir {demo.stack.workdir})"
     )
     try:
@@ -42,8 +46,11 @@ def run(options: Options) -> int:
     except DemoError as exc:
         view.note(f"FAILED: {exc}")
         return 1
-    view.block("Summary", summary_lines(summary))
-    return 0 if summary.ok() else 1
+    if isinstance(demo, sharded.ShardedDemo):
+        view.block("Summary", sharded.summary_lines(summary, demo.moves, demo.ok()))
+    else:
+        view.block("Summary", summary_lines(summary))
+    return 0 if demo.ok() else 1
 
 
 def summary_lines(summary: Summary) -> list[str]:

@@ -37,10 +37,11 @@ class DemoError(RuntimeError):
 
 @dataclasses.dataclass
 class Scrape:
-    """What one replica's /metrics said about the reconciler."""
+    """What one replica's /metrics said about the reconciler (summed over its shards)."""
 
-    leader: bool = False
-    epoch: int = 0
+    leader: bool = False  # sharded: leads at least one shard
+    epoch: int = 0  # sharded: the highest epoch of the shards it leads
+    shards: dict[int, int] = dataclasses.field(default_factory=dict)  # shard led -> epoch
     reconciled: int = 0
     accepted: int = 0
     stale: int = 0
@@ -171,6 +172,9 @@ class Stack:
         except (aiohttp.ClientError, OSError, TimeoutError):
             return replica.last
         scrape = Scrape()
+        # Per value of the shard label: "" for an unsharded reconciler, else one per shard.
+        leading: dict[str, bool] = {}
+        epochs: dict[str, int] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.labels.get("controller") != self.reconciler:
@@ -178,11 +182,11 @@ class Stack:
                 value = int(sample.value)
                 name, labels = sample.name, sample.labels
                 if name == "kopf_reconcile_leader":
-                    scrape.leader = value == 1
+                    leading[labels.get("shard", "")] = value == 1
                 elif name == "kopf_reconcile_epoch":
-                    scrape.epoch = value
+                    epochs[labels.get("shard", "")] = value
                 elif name == "kopf_reconcile_active_workers":
-                    scrape.in_flight = value
+                    scrape.in_flight += value
                 elif name == "kopf_reconcile_reconcile_total":
                     if labels["result"] in ("success", "requeue_after"):
                         scrape.reconciled += value
@@ -190,9 +194,13 @@ class Stack:
                         scrape.canceled += value
                 elif name == "kopf_reconcile_fenced_writes_total":
                     if labels["outcome"] == "accepted":
-                        scrape.accepted = value
+                        scrape.accepted += value
                     elif labels["outcome"] == "stale":
-                        scrape.stale = value
+                        scrape.stale += value
+        led = [shard for shard, leads in leading.items() if leads]
+        scrape.leader = bool(led)
+        scrape.epoch = max((epochs.get(shard, 0) for shard in led), default=epochs.get("", 0))
+        scrape.shards = {int(shard): epochs.get(shard, 0) for shard in led if shard}
         replica.last = scrape
         return scrape
 

@@ -59,6 +59,7 @@ STATES = ("on", "off", "standby")
 MALFORMED = "device-malformed"  # spec.desired outside STATES: dead-lettered
 CONVERGE_TIMEOUT = 90.0
 POLL = 0.2
+MAX_SHARDS = 64  # a table per shard stays readable
 
 
 @dataclasses.dataclass
@@ -70,6 +71,7 @@ class Options:
     work_delay: float = 0.2
     handlers: Path | None = None
     seed: int = 7
+    shards: int = 1  # > 1: the sharded story (kopf_reconcile.demo.sharded)
 
 
 @dataclasses.dataclass
@@ -106,6 +108,10 @@ class Summary:
 
 
 class Demo:
+    #: The fence scope whose writes the audit judges; None: every scope of the database
+    #: (a sharded reconciler's: one per shard).
+    audited_scope: str | None = SCOPE
+
     def __init__(self, options: Options, view: View) -> None:
         if options.objects < 1:
             raise ConfigError(f"--objects must be >= 1, got {options.objects}")
@@ -116,6 +122,8 @@ class Demo:
             )
         if options.ttl < 1:
             raise ConfigError(f"--ttl must be a whole number of seconds >= 1, got {options.ttl}")
+        if not 1 <= options.shards <= MAX_SHARDS:
+            raise ConfigError(f"--shards must be from 1 to {MAX_SHARDS}, got {options.shards}")
         self.options = options
         self.view = view
         self.handlers = find_handlers(options.handlers)
@@ -132,14 +140,7 @@ class Demo:
     async def run(self) -> Summary:
         async with self.stack:
             try:
-                await self._start()
-                await self._create_devices()
-                await self._malformed_device()
-                await self._kill_the_leader()
-                await self._pause_the_leader()
-                await self._verify()
-                await self._show_leases()
-                await self._show_dead_letters()
+                await self._scenes()
             finally:
                 if self._api is not None:
                     await self._api.close()
@@ -148,6 +149,20 @@ class Demo:
                 if self.options.keep:
                     self.view.note(f"kept {self.stack.workdir} (logs, kubeconfig)")
         return self.summary
+
+    def ok(self) -> bool:
+        """Every invariant of the story held."""
+        return self.summary.ok()
+
+    async def _scenes(self) -> None:
+        await self._start()
+        await self._create_devices()
+        await self._malformed_device()
+        await self._kill_the_leader()
+        await self._pause_the_leader()
+        await self._verify()
+        await self._show_leases()
+        await self._show_dead_letters()
 
     async def _start(self) -> None:
         url = await self.stack.start_cluster()
@@ -169,6 +184,7 @@ class Demo:
             "KOPF_RECONCILE_LEASE_TTL": str(self.options.ttl),
             "KOPF_RECONCILE_RENEW_INTERVAL": str(round(self.options.ttl / 10, 3)),
             "DEVICES_WORK_DELAY": str(self.options.work_delay),
+            "DEVICES_SHARDS": str(self.options.shards),
         }
         replicas = [
             await self.stack.start_replica(self.handlers, env) for _ in range(self.options.replicas)
@@ -178,6 +194,9 @@ class Demo:
             f"{len(replicas)} replicas of {self.handlers.name} running "
             f"(lease TTL {self.options.ttl}s, Kubernetes Lease election, fenced PostgreSQL)"
         )
+        await self._elected()
+
+    async def _elected(self) -> None:
         await self._until(lambda: self._leader() is not None, "electing a leader", 30)
         leader = self._leader()
         assert leader is not None
@@ -343,7 +362,7 @@ class Demo:
         self.summary.lost_updates = len(lost)
         # Scope-wide: a late write at an old epoch is stale even on a Device the newer
         # leader never wrote (a per-entity comparison would miss it).
-        history = await audit.history(self.stack.dsn, scope=SCOPE)
+        history = await audit.history(self.stack.dsn, scope=self.audited_scope)
         self.summary.stale_accepted = len(audit.stale_writes(history))
         self.summary.rejected_by_database = len(await audit.rejected_writes(self.stack.dsn))
 
@@ -405,8 +424,11 @@ class Demo:
 
     async def _states(self) -> dict[str, dict[str, Any]]:
         assert self._db is not None
+        # The reconciler's scope, or its shards' (``<scope>-shard-<k>``) when it is sharded.
         rows = await self._db.fetch(
-            "SELECT entity_id, state::text FROM kopf_reconcile_fence WHERE scope = $1", SCOPE
+            "SELECT entity_id, state::text FROM kopf_reconcile_fence "
+            "WHERE scope = $1 OR starts_with(scope, $1 || '-shard-')",
+            SCOPE,
         )
         return {r["entity_id"]: json.loads(r["state"] or "{}") for r in rows}
 

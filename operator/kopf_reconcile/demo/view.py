@@ -18,24 +18,45 @@ from kopf_reconcile.integration.tables import format_table
 
 PLAIN_INTERVAL = 2.0
 REPLICA_HEADER = ("replica", "pid", "state", "role", "epoch", "reconciled", "accepted", "stale")
+SHARDED_HEADER = (*REPLICA_HEADER, "shards held (epoch)")
 
 
-def replica_rows(replicas: Sequence[Replica]) -> list[tuple[object, ...]]:
+def held_shards(shards: dict[int, int]) -> str:
+    """``0(2) 3(1)``: the shards a replica leads, each with its epoch."""
+    return " ".join(f"{k}({epoch})" for k, epoch in sorted(shards.items())) or "-"
+
+
+def replica_rows(replicas: Sequence[Replica], sharded: bool = False) -> list[tuple[object, ...]]:
     rows: list[tuple[object, ...]] = []
     for r in replicas:
         s = r.last
         role = "LEADER" if s.leader and r.state == "running" else "follower"
+        if sharded and s.leader and r.state == "running":
+            role = f"leads {len(s.shards)}"
         if r.state != "running":
             role = "-"
-        rows.append((r.name, r.pid, r.state, role, s.epoch, s.reconciled, s.accepted, s.stale))
+        row: tuple[object, ...] = (
+            r.name,
+            r.pid,
+            r.state,
+            role,
+            s.epoch,
+            s.reconciled,
+            s.accepted,
+            s.stale,
+        )
+        if sharded:
+            row = (*row, held_shards(s.shards) if r.state == "running" else "-")
+        rows.append(row)
     return rows
 
 
 class View:
     """The live block (status line + replica table) and the notes above it."""
 
-    def __init__(self, stream: TextIO | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None, *, sharded: bool = False) -> None:
         self.stream = stream or sys.stdout
+        self.sharded = sharded  # a column of the shards each replica leads
         self.live = self.stream.isatty()
         self.started = time.monotonic()
         self._drawn = 0
@@ -58,7 +79,8 @@ class View:
             return
         compact = " | ".join(
             f"{r.name} {row[3]} e{row[4]} rec={row[5]} acc={row[6]} stale={row[7]}"
-            for r, row in zip(replicas, replica_rows(replicas), strict=True)
+            + (f" shards={row[8]}" if self.sharded else "")
+            for r, row in zip(replicas, replica_rows(replicas, self.sharded), strict=True)
         )
         text = f"{status} | {compact}"
         now = time.monotonic()
@@ -75,7 +97,8 @@ class View:
         self.stream.flush()
 
     def _table(self, replicas: Sequence[Replica]) -> list[str]:
-        return format_table(REPLICA_HEADER, replica_rows(replicas))
+        header = SHARDED_HEADER if self.sharded else REPLICA_HEADER
+        return format_table(header, replica_rows(replicas, self.sharded))
 
     def _erase(self) -> None:
         if self.live and self._drawn:

@@ -1,8 +1,8 @@
 """The ``kopf-reconcile`` command (also ``python -m kopf_reconcile``).
 
 (Over 400 lines on purpose: one short section per command (run, migrate, leases, dead
-letters, redrive, status, demo) sharing one argument parser and one way of reporting
-failures on one line.)
+letters, redrive, status, reshard, demo) sharing one argument parser and one way of
+reporting failures on one line.)
 
 * ``kopf-reconcile run handlers.py [kopf run options]`` runs kopf with the
   handlers, like ``kopf run``, plus what a deployed operator needs: the
@@ -10,7 +10,10 @@ failures on one line.)
   that refuses its URL, stops the process with a message naming the variable;
   a database that does not answer yet is retried), ``/metrics``, ``/healthz`` and
   ``/readyz`` on one port (see :mod:`kopf_reconcile.integration.endpoints`), and JSON or
-  text logs with secrets redacted (see :mod:`kopf_reconcile.integration.logs`).
+  text logs with secrets redacted (see :mod:`kopf_reconcile.integration.logs`). With
+  uvloop installed (``pip install kopf-reconcile[uvloop]``) it runs on uvloop's event
+  loop, as ``kopf run`` does: about a tenth less CPU per object at 10,000 objects
+  (``benchmarks/kopf_e2e.py``).
 * ``kopf-reconcile migrate`` creates the PostgreSQL tables of the fenced
   repository and the lease elector (idempotent).
 * ``kopf-reconcile leases`` prints the kopf-reconcile Leases of a cluster
@@ -24,6 +27,10 @@ failures on one line.)
   it leads, failovers in the last hour (from the database's record of each epoch that
   led, else from the Lease), dead letters, and, given the replicas' addresses (``--endpoint``),
   the leader's queued and in-flight reconciles (from ``/healthz``).
+* ``kopf-reconcile reshard --reconciler R --shards M [--by-namespace]`` changes a sharded
+  reconciler's layout in one PostgreSQL transaction: every shard scope is fenced above
+  every epoch it has seen, each entity's rows move to its new shard scope, and the new
+  layout is recorded (``PostgresFencedRepository.reshard``).
 
 As ``kubectl-reconcile`` the same commands are a kubectl plugin: ``kubectl reconcile status``.
 
@@ -65,6 +72,7 @@ from kopf_reconcile.integration.tables import format_table
 from kopf_reconcile.leader.protocol import LeaseRecord
 from kopf_reconcile.redaction import redact
 from kopf_reconcile.remote_errors import describe_error
+from kopf_reconcile.sharding import MAX_SHARDS
 
 __all__ = ["main"]
 
@@ -182,6 +190,33 @@ def _parser() -> argparse.ArgumentParser:
     _database_options(status, "dead letters, failovers and the PostgreSQL lease table")
     status.set_defaults(command=_status)
 
+    reshard = commands.add_parser(
+        "reshard",
+        help="change a sharded reconciler's shard count, in one transaction",
+        description=(
+            "Move a sharded reconciler's entities to a new shard layout in one PostgreSQL "
+            "transaction: fence every shard scope, old and new, above every epoch it has "
+            "seen (replicas of the old layout are refused from the commit on), move each "
+            "entity's state, dead letter and redrive request to its new shard scope, and "
+            "record the new layout (replicas of it lead from then on)."
+        ),
+    )
+    reshard.add_argument(
+        "--reconciler",
+        required=True,
+        help="the base fenced scope of the sharded reconciler: its reconciler id, unless its "
+        "repository was built with an explicit scope (then that scope)",
+    )
+    reshard.add_argument(
+        "--shards", required=True, type=int, help=f"the new shard count (from 2 to {MAX_SHARDS})"
+    )
+    reshard.add_argument(
+        "--by-namespace", action="store_true", help="assign shards by namespace (as the replicas)"
+    )
+    reshard.add_argument("--table", help="the fence table (default: kopf_reconcile_fence)")
+    _database_options(reshard, "default: $KOPF_RECONCILE_DATABASE_URL")
+    reshard.set_defaults(command=_reshard)
+
     demo = commands.add_parser(
         "demo",
         help="the whole story on an embedded cluster and an embedded PostgreSQL",
@@ -202,6 +237,11 @@ def _parser() -> argparse.ArgumentParser:
         help="simulated device I/O per reconcile, seconds (default 0.2)",
     )  # fmt: skip
     demo.add_argument("--handlers", type=Path, help="default: operator/examples/devices.py")
+    demo.add_argument(
+        "--shards", type=int, default=1,
+        help="shard the Devices (default 1: one leader); with N > 1 the replicas share N "
+        "shards and a SIGKILL moves only the killed replica's",
+    )  # fmt: skip
     demo.add_argument(
         "--keep", action="store_true", help="keep the temporary directory (logs, kubeconfig)"
     )
@@ -258,6 +298,7 @@ def _demo(args: argparse.Namespace) -> int:
         ttl=args.ttl,
         work_delay=args.work_delay,
         handlers=args.handlers,
+        shards=args.shards,
     )
     return demo.run(options)
 
@@ -287,10 +328,22 @@ def _run(args: argparse.Namespace) -> int:
     asyncio.run(_check_lease_namespace(config))
     asyncio.run(_check_database(config))
     try:
-        return asyncio.run(_serve(args, config))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(_serve(args, config))
     except Exception:
         logger.exception("the operator failed")
         return EXIT_FAILURE
+
+
+def _loop_factory() -> Any:
+    """uvloop's event loop when it is installed (``kopf-reconcile[uvloop]``), as ``kopf run``
+    picks it; else None: asyncio's own loop."""
+    try:
+        uvloop = importlib.import_module("uvloop")  # optional: not a dependency
+    except ImportError:
+        return None
+    logger.info("event loop: uvloop %s", getattr(uvloop, "__version__", ""))
+    return uvloop.new_event_loop
 
 
 def _load_handlers(paths: Sequence[str], modules: Sequence[str]) -> None:
@@ -776,6 +829,64 @@ async def _database_figures(url: str) -> tuple[dict[str, int], dict[str, int]]:
         for letter in await repository.list_dead_letters():
             dead[letter.reconciler_id] = dead.get(letter.reconciler_id, 0) + 1
         return dead, await repository.leadership_changes(FAILOVER_WINDOW)
+
+
+# -- reshard ----------------------------------------------------------------------------------
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    url = _required_database(args, "reshard")
+    try:
+        report = asyncio.run(_run_reshard(url, args))
+    except ConfigError:
+        raise  # a refusal (never sharded, same layout, no tables, duplicates): exit status 2
+    except Exception as exc:
+        print(
+            f"kopf-reconcile reshard: nothing changed at {redact_dsn(url)}: "
+            f"{redact(describe_error(exc))}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    print(
+        escape_terminal(
+            f"resharded {report.scope}: {report.old_layout} -> {report.new_layout}, "
+            f"fence epoch {report.fence_epoch}"
+        )
+    )
+    for k, count in report.entities.items():
+        print(f"  shard {k}: {count} entities ({report.moved[k]} moved in)")
+    print(
+        f"dead letters moved: {report.dead_letters_moved}; redrive requests moved: "
+        f"{report.redrives_moved}"
+        + (
+            f"; duplicate redrive requests merged: {report.duplicates_dropped}"
+            if report.duplicates_dropped
+            else ""
+        )
+    )
+    print(
+        f"every shard scope now records epoch {report.fence_epoch}: writes of replicas of the "
+        "old layout are refused, and they lead no shard again; roll them to the new layout"
+    )
+    if report.old_shards > report.new_shards:
+        gone = range(report.new_shards, report.old_shards)
+        unused = ", ".join(f"{report.reconciler_id}-shard-{k}" for k in gone)
+        print(
+            escape_terminal(
+                f"leases no longer used: {unused}; delete them once no replica of the old "
+                "layout runs (`kopf-reconcile leases` lists them)"
+            )
+        )
+    return 0
+
+
+async def _run_reshard(url: str, args: argparse.Namespace) -> Any:
+    from kopf_reconcile.fencing.postgres import DEFAULT_FENCE_TABLE, PostgresFencedRepository
+
+    table = args.table or DEFAULT_FENCE_TABLE
+    async with PostgresFencedRepository(url, table, scope=args.reconciler) as repository:
+        return await repository.reshard(args.shards, by_namespace=args.by_namespace)
 
 
 async def _leader_queues(endpoints: Sequence[str]) -> dict[str, dict[str, Any]]:
