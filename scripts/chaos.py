@@ -1,7 +1,7 @@
 """Process chaos for ``make chaos``: replicas of the example operator under a seeded nemesis.
 
 Runs :mod:`kopf_reconcile.testing.chaos` (``--seed``, ``--duration``,
-``--replicas``, ``--elector``, ``--devices``, ``--rate``, ``--keep``; see
+``--replicas``, ``--elector``, ``--devices``, ``--rate``, ``--shards``, ``--keep``; see
 ``--help``) and exits non-zero if any invariant broke.
 """
 

@@ -11,10 +11,13 @@ connections, and a replica partitioned from the API while it still reaches the
 database. Afterwards it checks, from the database's own audit and the
 replicas' own monotonic-stamped leadership reports, that no stale write was
 accepted, that no two replicas led at once beyond what a pause explains, and
-that every Device converged (no lost update).
+that every Device converged (no lost update). With ``shards`` > 1 the example
+runs sharded, replicas also join and leave (moving shards by hand-off, which the
+nemesis strikes), and every invariant is checked per shard.
 
 * :mod:`.harness` — the run and its report (:func:`run`, :class:`Options`);
 * :mod:`.leadership` — leadership intervals and their overlaps;
+* :mod:`.reconciles` — reconciles of one entity by two replicas at once;
 * :mod:`.proxy` — the per-replica TCP proxy that partitions one replica;
 * :mod:`.replica` — ``kopf-reconcile run`` plus the leadership report.
 

@@ -36,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rate", type=float, default=10.0, help="spec changes per second (default 10)"
     )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="shards of the Devices (default 1: unsharded); > 1 adds joins and leaves",
+    )
     parser.add_argument("--ttl", type=int, default=3, help="lease TTL, whole seconds (default 3)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory and logs")
     parser.add_argument("--handlers", type=Path, help="the operator (default: the example)")
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             renew_interval=round(args.ttl / 10, 3),
             keep=args.keep,
             handlers=args.handlers,
+            shards=args.shards,
         )
         try:
             report = asyncio.run(run(options, out=lambda line: print(line, flush=True)))
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"invariant broken with {o.elector} leases: replay the schedule with "
                 f"--seed {o.seed} --elector {o.elector} --tier {o.tier}"
+                + (f" --shards {o.shards}" if o.shards > 1 else "")
             )
     return 0 if all(r.ok() for r in reports) else 1
 

@@ -31,15 +31,26 @@ the schedule (which fault, when, against which role, for how long); the
 interleaving with real processes is not deterministic, so a seed replays the
 schedule, not every instant.
 
+With ``shards`` > 1 the example runs sharded (``DEVICES_SHARDS``): each shard of
+the Devices is led under a lease of its own and fenced in a scope of its own
+(``<reconciler id>-shard-<k>``), and the replicas balance the shards between
+them. The nemesis then also makes replicas join and leave (a Deployment scaled
+up and down), which moves shards by hand-off, and strikes while a hand-off is
+under way: it SIGKILLs, SIGSTOPs or gracefully restarts the replica giving a
+shard up, or the one that joined. Every invariant below is then checked per
+shard scope.
+
 Then it heals everything, stops changing specs, and checks:
 
 * no stale write accepted: :func:`audit.stale_writes` over the database's own
   history of writes applied and epochs that led the scope, and no zombie
   write answered "applied";
 * at most one effective leader at any instant, from the replicas' own
-  monotonic-stamped leadership reports (:mod:`.leadership`); no epoch led by
-  two holders; every epoch that led recorded in the fence first, none below
-  the leadership before it, and the lease record not below the highest;
+  monotonic-stamped leadership reports (:mod:`.leadership`); never two replicas
+  inside a reconcile of one entity at once, from their reports of every
+  reconcile (:mod:`.reconciles`); no epoch led by two holders; every epoch
+  that led recorded in the fence first, none below the leadership before it,
+  and the lease record not below the highest;
 * no lost update: every Device's fenced state and status reach its final
   ``spec.desired`` (and generation) within ``converge_timeout``.
 """
@@ -70,6 +81,7 @@ import yaml
 
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.leader.timing import RENEW_DEADLINE_FRACTION
+from kopf_reconcile.sharding import ShardAssignment, shard_id
 from kopf_reconcile.testing import audit
 from kopf_reconcile.testing.chaos.leadership import (
     Leadership,
@@ -80,6 +92,7 @@ from kopf_reconcile.testing.chaos.leadership import (
     read_events,
 )
 from kopf_reconcile.testing.chaos.proxy import PartitionProxy
+from kopf_reconcile.testing.chaos.reconciles import Span, overlaps, spans
 from kopf_reconcile.testing.examples import find_crd, find_handlers
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 from kopf_reconcile.testing.real_apiserver import ChildProcess, RealCluster, free_loopback_port
@@ -138,6 +151,7 @@ class Options:
     converge_timeout: float = 120.0
     keep: bool = False
     handlers: Path | None = None
+    shards: int = 1  # > 1: the example runs sharded; replicas also join and leave
 
 
 @dataclasses.dataclass
@@ -155,20 +169,34 @@ class Report:
     max_leaders: int = 0
     max_leaders_believed: int = 0
     overlap: list[str] = dataclasses.field(default_factory=list)
-    epochs_led_twice: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+    reconciles: int = 0
+    handoffs: int = 0  # shards handed off for balance, by any replica (their reports)
+    # Two processes inside one reconciler's (one shard's) reconcile of one entity at once.
+    reconcile_overlaps: list[str] = dataclasses.field(default_factory=list)
+    # Per scope (one per shard when sharded): epochs led by two holders.
+    epochs_led_twice: dict[str, dict[int, set[str]]] = dataclasses.field(default_factory=dict)
     # Leaderships at an epoch the fence never recorded (it must be recorded before leading).
-    unrecorded: list[int] = dataclasses.field(default_factory=list)
-    # The epoch the lease record (Lease or row) holds at the end, and the highest that led.
-    lease_epoch: int | None = None
-    highest_led: int = 0
-    # Leaderships, in order of start, whose epoch is below the previous one's.
-    reversed_epochs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    unrecorded: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # Per scope: the epoch its lease record (Lease or row) holds at the end (None: missing),
+    # and the highest that led it.
+    lease_epochs: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    highest_led: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Per scope: leaderships, in order of start, whose epoch is below the previous one's.
+    reversed_epochs: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     converged_in: float | None = None
     chaos_seconds: float = 0.0
 
     @property
     def failovers(self) -> int:
-        return max(0, self.leaderships - 1)
+        return max(0, self.leaderships - max(1, len(self.highest_led)))
+
+    def lease_records_behind(self) -> dict[str, tuple[int | None, int]]:
+        """Scopes whose lease record ends below the highest epoch that led them."""
+        return {
+            scope: (self.lease_epochs.get(scope), led)
+            for scope, led in self.highest_led.items()
+            if (epoch := self.lease_epochs.get(scope)) is None or epoch < led
+        }
 
     def violations(self) -> list[str]:
         found = []
@@ -180,12 +208,17 @@ class Report:
             found.append(f"{len(self.lost_updates)} lost update(s): {self.lost_updates[:5]}")
         if self.max_leaders > 1:
             found.append(f"{self.max_leaders} effective leaders at once: {self.overlap}")
+        if self.reconcile_overlaps:
+            found.append(
+                f"{len(self.reconcile_overlaps)} time(s) two replicas inside one reconcile of "
+                f"one entity: {self.reconcile_overlaps[:5]}"
+            )
         if self.epochs_led_twice:
             found.append(f"epochs led by two holders: {self.epochs_led_twice}")
-        if self.lease_epoch is None or self.lease_epoch < self.highest_led:
+        if behind := self.lease_records_behind():
             found.append(
-                f"the lease record's epoch {self.lease_epoch} is below the highest that led, "
-                f"{self.highest_led}"
+                "lease records below the highest epoch that led their scope "
+                f"(scope: (record, highest led)): {behind}"
             )
         if self.unrecorded:
             found.append(f"led at epochs the fence never recorded: {self.unrecorded}")
@@ -228,6 +261,12 @@ class Report:
                 f"({c['db_backends']} connections)",
             ),
             ("unexpected replica exits", c["unexpected_exit"], "restarted as a Deployment would"),
+            (
+                "joins and leaves",
+                c["join"] + c["leave"],
+                f"joined {c['join']}, left {c['leave']}; {self.handoffs} hand-offs in all, "
+                f"{c['handoff']} after a join, {c['handoff_strike']} struck during one",
+            ),
             ("spec changes", c["spec_change"], f"{c['spec_change_failed']} failed (faults)"),
             (
                 "failovers",
@@ -252,21 +291,30 @@ class Report:
                 self.max_leaders,
                 f"must be 1; {self.max_leaders_believed} as believed, paused replicas included",
             ),
+            (
+                "overlapping reconciles",
+                len(self.reconcile_overlaps),
+                f"must be 0: two replicas inside one entity ({self.reconciles} reconciles)",
+            ),
             ("epochs led by two holders", len(self.epochs_led_twice), "must be 0"),
             (
-                "lease record's epoch",
-                self.lease_epoch,
-                f"at the end; must be >= {self.highest_led}, the highest that led the scope",
+                "lease records behind",
+                len(self.lease_records_behind()),
+                f"must be 0: each lease record's epoch at the end >= the highest that led "
+                f"its scope ({len(self.highest_led)} scope(s), highest "
+                f"{max(self.highest_led.values(), default=0)})",
             ),
             (
                 "epochs out of order",
-                len(self.unrecorded) + len(self.reversed_epochs),
+                sum(map(len, self.unrecorded.values()))
+                + sum(map(len, self.reversed_epochs.values())),
                 "must be 0 (never below the last leadership's; recorded in the fence first)",
             ),
         ]
+        sharding = f"{o.shards} shards, " if o.shards > 1 else ""
         head = (
             f"Process chaos: seed {o.seed}, {self.chaos_seconds:.0f}s of chaos, "
-            f"{o.replicas} replicas, {o.elector} leases, {o.tier} API server, "
+            f"{o.replicas} replicas, {sharding}{o.elector} leases, {o.tier} API server, "
             f"{o.devices} Devices, lease TTL {o.ttl}s"
         )
         lines = [head, f"  {'':<28} {'value':>7}  note"]
@@ -284,10 +332,14 @@ class Slot:
     index: int
     proxy: PartitionProxy
     kubeconfig: Path
+    scopes: tuple[str, ...] = (SCOPE,)  # the leases it may lead: one per shard when sharded
+    # A position for a replica that joins (and later leaves): empty unless it joined.
+    standby: bool = False
     process: asyncio.subprocess.Process | None = None
     history: ProcessHistory | None = None
     generation: int = 0
     port: int = 0
+    _handing_off: list[str] = dataclasses.field(default_factory=list)
     busy: bool = False  # paused, or being restarted: not a target of other actions
     expected_exit: bool = False
 
@@ -299,14 +351,31 @@ class Slot:
     def alive(self) -> bool:
         return self.process is not None and self.process.returncode is None
 
-    def leading(self) -> int | None:
-        """The epoch this replica's current process says it leads at, if it does."""
+    def led(self) -> dict[str, int]:
+        """The scopes this replica's current process says it leads, with their epochs."""
         if not self.alive or self.history is None:
-            return None
-        events = [e for e in read_events(self.history.events) if e.get("reconciler") == SCOPE]
-        if events and events[-1]["event"] == "lead":
-            return int(events[-1]["epoch"])
-        return None
+            return {}
+        last: dict[str, dict[str, Any]] = {}
+        handoffs: dict[str, bool] = {}
+        for event in read_events(self.history.events):
+            scope = event.get("reconciler")
+            if scope not in self.scopes:
+                continue
+            if event["event"] in ("lead", "lose"):
+                last[scope] = event
+            elif event["event"] in ("handoff", "handed_off"):
+                handoffs[scope] = event["event"] == "handoff"
+        self._handing_off = [scope for scope, now in handoffs.items() if now]
+        return {s: int(e["epoch"]) for s, e in last.items() if e["event"] == "lead"}
+
+    def leading(self) -> int | None:
+        """The highest epoch this replica's current process says it leads at, if any."""
+        return max(self.led().values(), default=None)
+
+    def handing_off(self) -> list[str]:
+        """The scopes (shards) this replica's current process is handing off right now."""
+        self.led()
+        return self._handing_off
 
 
 class Chaos:
@@ -322,7 +391,14 @@ class Chaos:
         # The workload's own stream: spec changes run concurrently with the nemesis and
         # must not shift its draws.
         self.workload = random.Random(f"workload-{options.seed}")
+        if options.shards < 1:
+            raise ChaosError(f"shards must be at least 1, got {options.shards}")
         self.report = Report(options)
+        self.sharded = options.shards > 1
+        self.assignment = ShardAssignment(options.shards)
+        self.scopes = (
+            tuple(shard_id(SCOPE, k) for k in range(options.shards)) if self.sharded else (SCOPE,)
+        )
         self.handlers = find_handlers(options.handlers)
         self.crd = find_crd(self.handlers)
         self.workdir = Path(tempfile.mkdtemp(prefix="kopf-reconcile-chaos-"))
@@ -363,14 +439,16 @@ class Chaos:
 
     async def _start(self) -> None:
         o = self.options
+        sharding = f"{o.shards} shards, " if self.sharded else ""
         self.say(
             f"process chaos: seed {o.seed}, {o.duration:.0f}s, {o.replicas} replicas, "
-            f"{o.elector} leases, {o.devices} Devices (workdir {self.workdir})"
+            f"{sharding}{o.elector} leases, {o.devices} Devices (workdir {self.workdir})"
         )
         await self._start_cluster()
         await self._start_postgres()
         await self._create_crd_and_devices()
-        for index in range(o.replicas):
+        # Sharded: one more position, for the replica that joins (and later leaves).
+        for index in range(o.replicas + (1 if self.sharded else 0)):
             proxy = PartitionProxy("127.0.0.1", int(self._cluster_url.rsplit(":", 1)[1]))
             await proxy.start()
             kubeconfig = self.workdir / f"{index}.kubeconfig"
@@ -379,13 +457,14 @@ class Chaos:
             for cluster in config["clusters"]:
                 cluster["cluster"]["server"] = f"{scheme}://127.0.0.1:{proxy.port}"
             kubeconfig.write_text(yaml.safe_dump(config))
-            self.slots.append(Slot(index, proxy, kubeconfig))
-        for slot in self.slots:
+            self.slots.append(
+                Slot(index, proxy, kubeconfig, scopes=self.scopes, standby=index >= o.replicas)
+            )
+        running = [slot for slot in self.slots if not slot.standby]
+        for slot in running:
             await self._start_replica(slot)
-        await asyncio.gather(*(self._wait_ready(slot) for slot in self.slots))
-        self.say(
-            f"{len(self.slots)} replicas running (lease TTL {o.ttl}s, renew {o.renew_interval}s)"
-        )
+        await asyncio.gather(*(self._wait_ready(slot) for slot in running))
+        self.say(f"{len(running)} replicas running (lease TTL {o.ttl}s, renew {o.renew_interval}s)")
         await self._until(lambda: self._leader() is not None, "a leader", START_TIMEOUT)
         started = time.monotonic()
         await self._until_async(self._all_converged, "initial convergence", o.converge_timeout)
@@ -495,6 +574,7 @@ class Chaos:
             "KOPF_RECONCILE_RENEW_INTERVAL": str(o.renew_interval),
             "KOPF_RECONCILE_STOP_TIMEOUT": "2",
             "DEVICES_WORK_DELAY": str(o.work_delay),
+            "DEVICES_SHARDS": str(o.shards),
         }
         argv = [sys.executable, "-m", "kopf_reconcile.testing.chaos.replica", str(history.events),
                 "--", "run", str(self.handlers), f"--namespace={NAMESPACE}", "--standalone",
@@ -545,11 +625,15 @@ class Chaos:
             ("db_kill", 2, self._db_kill),
             ("zombie", 1, self._zombie_write),
         ]
+        if self.sharded:  # only then: an unsharded seed keeps its schedule
+            actions.append(("join", 8, self._join_or_leave))
         names = [a[0] for a in actions]
         weights = [a[1] for a in actions]
         run = {a[0]: a[2] for a in actions}
         started = time.monotonic()
         end = started + o.duration
+        if self.sharded:  # a join first: hand-offs are what a sharded run is about
+            self._spawn(self._join_or_leave(), "join")
         while time.monotonic() < end:
             await asyncio.sleep(self.rng.uniform(0.5, 2.0))
             if time.monotonic() >= end:
@@ -578,13 +662,85 @@ class Chaos:
         return candidates[int(roll * 1000) % len(candidates)]
 
     def _role(self, slot: Slot) -> str:
-        epoch = slot.leading()
-        return f"the leader at epoch {epoch}" if epoch is not None else "a follower"
+        led = slot.led()
+        if not led:
+            return "a follower"
+        if not self.sharded:
+            return f"the leader at epoch {led[SCOPE]}"
+        shards = sorted(int(scope.rsplit("-", 1)[1]) for scope in led)
+        return f"the holder of shards {shards}"
 
-    async def _kill(self) -> None:
-        slot = self._pick(0.6)
+    async def _join_or_leave(self) -> None:
+        """A replica joins (then the nemesis strikes during the hand-off it causes), or leaves.
+
+        A join makes the others hand shards off to the newcomer. Once one has begun,
+        the nemesis SIGKILLs, SIGSTOPs or gracefully restarts the replica handing off,
+        or the one that joined, or lets it be (drawn now, like every parameter).
+        """
+        strike = self.rng.choice(("kill", "pause", "restart", "kill_joiner", "pause_joiner", None))
+        pause = self.rng.uniform(0.3, 3.0 * self.options.ttl)
         downtime = self.rng.uniform(0.3, 3.0)
-        if slot is None or slot.process is None:
+        slot = next(s for s in self.slots if s.standby)
+        if slot.busy:
+            return
+        slot.busy = True
+        try:
+            if slot.alive:
+                assert slot.process is not None
+                self.say(f"{slot.name} leaves (SIGTERM), {self._role(slot)}")
+                slot.expected_exit = True
+                slot.process.send_signal(signal.SIGTERM)
+                await self._reap(slot)
+                self.report.counts["leave"] += 1
+                return
+            await self._start_replica(slot)
+            self.report.counts["join"] += 1
+            self.say(f"{slot.name} joins")
+            giver = await self._hand_off_begun(timeout=4.0 * self.options.ttl)
+        finally:
+            slot.busy = False
+        if giver is None:
+            self.say("no hand-off followed the join")
+            return
+        self.report.counts["handoff"] += 1
+        target = slot if strike in ("kill_joiner", "pause_joiner") else giver
+        if strike is None or target.busy or not target.alive:
+            return
+        during = bool(giver.handing_off())
+        self.report.counts["handoff_strike"] += during
+        self.say(
+            f"{giver.name} is handing {giver.handing_off() or 'a shard (just done)'} off: "
+            f"{strike.replace('_joiner', '')} {target.name}"
+        )
+        if strike.startswith("kill"):
+            await self._kill(target, downtime)
+        elif strike.startswith("pause"):
+            await self._pause(target, pause)
+        else:
+            await self._restart(target)
+
+    async def _hand_off_begun(self, timeout: float) -> Slot | None:
+        """The first replica seen handing a shard off, within ``timeout`` seconds."""
+        seen = {slot.index: _size(slot) for slot in self.slots}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for slot in self.slots:
+                if slot.alive and not slot.busy and slot.handing_off():
+                    return slot
+                if slot.alive and not slot.busy and slot.history is not None:
+                    # A hand-off that began and ended between two looks still counts.
+                    with contextlib.suppress(OSError), slot.history.events.open("rb") as events:
+                        events.seek(seen[slot.index])
+                        if b'"handoff"' in events.read():
+                            return slot
+            await asyncio.sleep(0.02)
+        return None
+
+    async def _kill(self, target: Slot | None = None, downtime: float | None = None) -> None:
+        slot = self._pick(0.6) if target is None else target
+        if downtime is None:
+            downtime = self.rng.uniform(0.3, 3.0)
+        if slot is None or slot.process is None or slot.busy:
             return
         slot.busy = True
         try:
@@ -603,10 +759,11 @@ class Chaos:
             slot.process.send_signal(signal.SIGKILL)
         slot.history.killed_at = time.monotonic()
 
-    async def _pause(self) -> None:
-        slot = self._pick(0.7)
-        length = self.rng.uniform(0.3, 3.0 * self.options.ttl)
-        if slot is None or slot.process is None or slot.history is None:
+    async def _pause(self, target: Slot | None = None, length: float | None = None) -> None:
+        slot = self._pick(0.7) if target is None else target
+        if length is None:
+            length = self.rng.uniform(0.3, 3.0 * self.options.ttl)
+        if slot is None or slot.process is None or slot.history is None or slot.busy:
             return
         slot.busy = True
         try:
@@ -623,9 +780,9 @@ class Chaos:
         finally:
             slot.busy = False
 
-    async def _restart(self) -> None:
-        slot = self._pick(0.5)
-        if slot is None or slot.process is None:
+    async def _restart(self, target: Slot | None = None) -> None:
+        slot = self._pick(0.5) if target is None else target
+        if slot is None or slot.process is None or slot.busy:
             return
         slot.busy = True
         try:
@@ -805,18 +962,19 @@ class Chaos:
         if self._postgres_down:
             return
         entity = f"{NAMESPACE}/device-{index:04d}"
+        scope = self._scope_of(entity)
         try:
             async with asyncio.timeout(HTTP_TIMEOUT):
                 connection = await asyncpg.connect(self.dsn)
                 try:
                     led = await connection.fetchval(
-                        "SELECT epoch FROM kopf_reconcile_fence_epochs WHERE scope = $1", SCOPE
+                        "SELECT epoch FROM kopf_reconcile_fence_epochs WHERE scope = $1", scope
                     )
                 finally:
                     await connection.close()
                 if not led or led < 2:
                     return
-                async with PostgresFencedRepository(self.dsn, scope=SCOPE) as repository:
+                async with PostgresFencedRepository(self.dsn, scope=scope) as repository:
                     accepted = await repository.apply_fenced(
                         entity, led - 1, {"desired": "zombie", "generation": -1}
                     )
@@ -826,7 +984,7 @@ class Chaos:
         if accepted:
             self.report.counts["zombie_accepted"] += 1
         verdict = "ACCEPTED (fencing is broken)" if accepted else "rejected by the database"
-        self.say(f"a write to {entity} at epoch {led - 1} (scope led at {led}): {verdict}")
+        self.say(f"a write to {entity} at epoch {led - 1} ({scope} led at {led}): {verdict}")
 
     async def _change_specs(self) -> None:
         rate = self.options.changes_per_second
@@ -846,8 +1004,12 @@ class Chaos:
     async def _status(self) -> None:
         while True:
             await asyncio.sleep(5.0)
-            leader = self._leader()
-            who = f"{leader.name} leads at epoch {leader.leading()}" if leader else "no leader"
+            if self.sharded:
+                held = {s.name: len(s.led()) for s in self.slots if s.alive}
+                who = f"shards held {held} of {self.options.shards}"
+            else:
+                leader = self._leader()
+                who = f"{leader.name} leads at epoch {leader.leading()}" if leader else "no leader"
             up = sum(1 for s in self.slots if s.alive)
             self.say(
                 f"status: {who}; {up}/{len(self.slots)} replicas up; "
@@ -887,7 +1049,9 @@ class Chaos:
         with contextlib.suppress(ChaosError, aiohttp.ClientError, OSError, TimeoutError):
             await self._api("DELETE", "/_embedded/faults")
         await self._until(
-            lambda: all(s.alive for s in self.slots), "every replica up", START_TIMEOUT
+            lambda: all(s.alive for s in self.slots if not s.standby),
+            "every replica up",
+            START_TIMEOUT,
         )
         started = time.monotonic()
         converged = 0
@@ -923,32 +1087,48 @@ class Chaos:
         await asyncio.gather(*(self._reap(s) for s in self.slots if s.process is not None))
 
     async def _check(self) -> None:
-        history = await audit.history(self.dsn, scope=SCOPE)
-        self.report.writes_accepted = sum(1 for e in history if isinstance(e, audit.Applied))
+        deadline = self.options.ttl * RENEW_DEADLINE_FRACTION
+        for scope in self.scopes:
+            await self._check_scope(scope, deadline)
+        self.report.stale_rejected = len(await audit.rejected_writes(self.dsn))
+        inside: list[Span] = []
+        for process in self.histories:
+            inside += spans(process, deadline, PAUSE_GRACE)
+            self.report.handoffs += sum(
+                1 for e in read_events(process.events) if e["event"] == "handoff"
+            )
+        self.report.reconciles = len(inside)
+        self.report.reconcile_overlaps = overlaps(inside, self._origin)
+
+    async def _check_scope(self, scope: str, deadline: float) -> None:
+        """The invariants of one fencing scope and its lease (one shard's, when sharded)."""
+        report = self.report
+        history = await audit.history(self.dsn, scope=scope)
+        report.writes_accepted += sum(1 for e in history if isinstance(e, audit.Applied))
         # Epoch 0 is the scope's row as the migration creates it: nothing led at 0.
-        self.report.epochs_led = len(
+        report.epochs_led += len(
             {e.epoch for e in history if isinstance(e, audit.Led) and e.epoch > 0}
         )
-        self.report.highest_led = max(
+        report.highest_led[scope] = max(
             (e.epoch for e in history if isinstance(e, audit.Led)), default=0
         )
-        self.report.lease_epoch = await self._lease_epoch()
-        self.report.stale_accepted = [str(w) for w in audit.stale_writes(history)]
-        self.report.stale_rejected = len(await audit.rejected_writes(self.dsn))
+        report.lease_epochs[scope] = await self._lease_epoch(scope)
+        report.stale_accepted += [str(w) for w in audit.stale_writes(history)]
         leaderships: list[Leadership] = []
         for process in self.histories:
-            deadline = self.options.ttl * RENEW_DEADLINE_FRACTION
-            leaderships += intervals(process, SCOPE, deadline, PAUSE_GRACE)
-        self.report.leaderships = len(leaderships)
+            leaderships += intervals(process, scope, deadline, PAUSE_GRACE)
+        report.leaderships += len(leaderships)
         believed, _ = max_overlap(leaderships, effective=False)
         effective, witnesses = max_overlap(leaderships, effective=True)
-        self.report.max_leaders_believed = believed
-        self.report.max_leaders = effective
+        report.max_leaders_believed = max(report.max_leaders_believed, believed)
+        report.max_leaders = max(report.max_leaders, effective)
         if effective > 1:
-            self.report.overlap = [w.describe(self._origin) for w in witnesses]
-        self.report.epochs_led_twice = epochs_led_twice(leaderships)
+            report.overlap += [f"{scope}: {w.describe(self._origin)}" for w in witnesses]
+        if twice := epochs_led_twice(leaderships):
+            report.epochs_led_twice[scope] = twice
         recorded = {e.epoch for e in history if isinstance(e, audit.Led)}
-        self.report.unrecorded = sorted({x.epoch for x in leaderships} - recorded)
+        if unrecorded := sorted({x.epoch for x in leaderships} - recorded):
+            report.unrecorded[scope] = unrecorded
         # A leadership that began on waking from a pause and ended at once is left out
         # (its process stopped between winning the lease and leading: see leadership.py).
         # One holder may lead again at its own epoch (it stepped down, then took back the
@@ -957,24 +1137,25 @@ class Chaos:
         ordered = sorted(
             (x for x in leaderships if x.effective_end > x.start), key=lambda x: x.start
         )
-        self.report.reversed_epochs = [
+        if reversed_epochs := [
             (before.epoch, after.epoch)
             for before, after in itertools.pairwise(ordered)
             if after.epoch < before.epoch
-        ]
+        ]:
+            report.reversed_epochs[scope] = reversed_epochs
 
-    async def _lease_epoch(self) -> int | None:
-        """The epoch the lease record holds: a Lease's ``leaseTransitions``, or the row's."""
+    async def _lease_epoch(self, scope: str) -> int | None:
+        """The epoch ``scope``'s lease record holds (a Lease's ``leaseTransitions``, or a row's)."""
         if self.options.elector == "postgres":
             connection = await asyncpg.connect(self.dsn, timeout=HTTP_TIMEOUT)
             try:
                 epoch = await connection.fetchval(
-                    "SELECT epoch FROM kopf_reconcile_lease WHERE reconciler_id = $1", SCOPE
+                    "SELECT epoch FROM kopf_reconcile_lease WHERE reconciler_id = $1", scope
                 )
             finally:
                 await connection.close()
             return None if epoch is None else int(epoch)
-        path = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{SCOPE}"
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{scope}"
         lease = await self._api("GET", path)
         transitions = lease.get("spec", {}).get("leaseTransitions")
         return None if transitions is None else int(transitions)
@@ -991,17 +1172,19 @@ class Chaos:
             return ["(API or database not reachable)"]
         try:
             rows = await connection.fetch(
-                "SELECT entity_id, state::text FROM kopf_reconcile_fence WHERE scope = $1", SCOPE
+                "SELECT scope, entity_id, state::text FROM kopf_reconcile_fence "
+                "WHERE scope = ANY($1::text[])",
+                list(self.scopes),
             )
         finally:
             await connection.close()
-        states = {r["entity_id"]: json.loads(r["state"] or "{}") for r in rows}
+        states = {(r["scope"], r["entity_id"]): json.loads(r["state"] or "{}") for r in rows}
         lost = []
         for item in listing["items"]:
             entity = f"{NAMESPACE}/{item['metadata']['name']}"
             want, generation = item["spec"]["desired"], item["metadata"]["generation"]
             status = item.get("status") or {}
-            state = states.get(entity) or {}
+            state = states.get((self._scope_of(entity), entity)) or {}
             if (
                 state.get("desired") != want
                 or state.get("generation") != generation
@@ -1016,6 +1199,10 @@ class Chaos:
         return lost
 
     # -- plumbing --------------------------------------------------------------------
+
+    def _scope_of(self, entity: str) -> str:
+        """The fencing scope (and lease) ``entity`` belongs to: its shard's when sharded."""
+        return self.scopes[self.assignment.shard_of(entity)] if self.sharded else SCOPE
 
     def _leader(self) -> Slot | None:
         leaders = [(s.leading(), s) for s in self.slots if not s.busy]
@@ -1144,6 +1331,15 @@ class _RestartableRealCluster(RealCluster):
         await old.stop()
         self._processes.remove(old)
         await self._wait_until_ready(self._spawn("kube-apiserver", self._argv["kube-apiserver"]))
+
+
+def _size(slot: Slot) -> int:
+    """How long the leadership report of ``slot``'s current process is (bytes)."""
+    if slot.history is None:
+        return 0
+    with contextlib.suppress(OSError):
+        return slot.history.events.stat().st_size
+    return 0
 
 
 def _dying_with_parent(argv: list[str]) -> list[str]:

@@ -83,7 +83,7 @@ def intervals(
 ) -> list[Leadership]:
     """The leaderships of one process for ``reconciler``, each with its effective end.
 
-    ``renew_deadline`` is the Loop's (2/3 of the lease TTL); see :func:`_effective_end`.
+    ``renew_deadline`` is the Loop's (2/3 of the lease TTL); see :func:`effective_end`.
     """
     result: list[Leadership] = []
     open_lead: dict[str, Any] | None = None
@@ -98,7 +98,7 @@ def intervals(
                 epoch=int(lead["epoch"]),
                 start=float(lead["t"]),
                 end=end,
-                effective_end=_effective_end(
+                effective_end=effective_end(
                     float(lead["t"]), end, history.pauses, renew_deadline, grace
                 ),
             )
@@ -119,7 +119,7 @@ def intervals(
     return result
 
 
-def _effective_end(
+def effective_end(
     start: float,
     end: float,
     pauses: Sequence[tuple[float, float | None]],
