@@ -69,16 +69,18 @@ simulate: $(STAMP)
 # Process chaos: replicas of the example operator as processes, the embedded API server and
 # PostgreSQL, under a seeded nemesis; a summary table per elector (make test runs 20 s of it).
 # TIER=real: on kube-apiserver v1.20.2 with etcd (make real-apiserver builds it).
+# SHARDS=8: the Devices in 8 shards, replicas also joining and leaving (make test runs both).
 SEED ?= 1
 DURATION ?= 60
 REPLICAS ?= 3
 ELECTOR ?= both
 DEVICES ?= 500
 TIER ?= embedded
+SHARDS ?= 1
 .PHONY: chaos
 chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py --seed $(SEED) --duration $(DURATION) --replicas $(REPLICAS) \
-		--elector $(ELECTOR) --devices $(DEVICES) --tier $(TIER)
+		--elector $(ELECTOR) --devices $(DEVICES) --tier $(TIER) --shards $(SHARDS)
 
 # Every benchmark, then benchmarks/RESULTS.md (this project vs its baseline, same run); < 15 min.
 bench: $(BENCH_STAMP) tools

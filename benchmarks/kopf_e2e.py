@@ -363,8 +363,8 @@ def report(
     result(
         "kopf_e2e",
         "time until every state is stored, shim vs plain kopf" + scale,
-        [o.stored for o in shim],
-        [o.stored for o in plain],
+        ours=[o.stored for o in shim],
+        baseline=[o.stored for o in plain],
         unit="s",
         ratio="baseline/ours",
         target=(">=", 3.0),
@@ -372,8 +372,8 @@ def report(
     result(
         "kopf_e2e",
         "operator CPU seconds per 1,000 Devices, shim vs plain kopf" + scale,
-        [o.cpu * 1000 / devices for o in shim],
-        [o.cpu * 1000 / devices for o in plain],
+        ours=[o.cpu * 1000 / devices for o in shim],
+        baseline=[o.cpu * 1000 / devices for o in plain],
         unit="s",
         ratio="baseline/ours",
         target=(">=", 3.0),
@@ -382,8 +382,8 @@ def report(
     result(
         "kopf_e2e",
         "operator peak RSS growth per Device, shim vs plain kopf" + scale,
-        [o.rss_growth / 1024 / devices for o in shim],
-        [o.rss_growth / 1024 / devices for o in plain],
+        ours=[o.rss_growth / 1024 / devices for o in shim],
+        baseline=[o.rss_growth / 1024 / devices for o in plain],
         unit="KiB",
         ratio="ours/baseline",
         target=("<=", 1.0),
@@ -391,8 +391,8 @@ def report(
     result(
         "kopf_e2e",
         "API requests per Device, shim vs plain kopf" + scale,
-        [o.total / devices for o in shim],
-        [o.total / devices for o in plain],
+        ours=[o.total / devices for o in shim],
+        baseline=[o.total / devices for o in plain],
         unit="",
         ratio="ours/baseline",
         target=("<=", 1.0),

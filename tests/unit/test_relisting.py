@@ -72,6 +72,32 @@ def test_a_listing_cut_short_is_merged_with_the_next_one() -> None:
     assert tracker.listed() == []
 
 
+def test_the_last_body_is_kept_apart_from_the_watch_s_own_dict() -> None:
+    tracker = ListingTracker()
+    body = obj("a")
+    tracker.observe({"type": None, "object": body})
+    tracker.listed()
+    body["metadata"]["name"] = "changed by the stream's owner"  # the tracker kept a copy
+    assert [e["object"] for e in tracker.listed()] == [obj("a")]
+
+
+def test_without_whole_bodies_a_deletion_carries_the_object_s_identity() -> None:
+    tracker = ListingTracker(whole_bodies=False)
+    body = {"apiVersion": "v1", "kind": "ConfigMap", **obj("a"), "data": {"k": "v"}}
+    tracker.observe({"type": None, "object": body})
+    tracker.observe({"type": None, "object": {"metadata": {"name": "c", "uid": "c"}}})
+    tracker.listed()
+    gone = sorted((e["object"] for e in tracker.listed()), key=lambda b: b["metadata"]["uid"])
+    assert gone == [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "a", "namespace": "ns", "uid": "a"},
+        },
+        {"apiVersion": None, "kind": None, "metadata": {"name": "c", "uid": "c"}},
+    ]
+
+
 def test_events_without_an_object_identity_are_ignored() -> None:
     tracker = ListingTracker()
     tracker.observe({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}})

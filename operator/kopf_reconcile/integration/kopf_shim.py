@@ -17,7 +17,9 @@ The decorator registers four handlers on kopf's registry for one reconciler:
   (``<name>`` for cluster-scoped objects). It never writes to the object: no
   kopf progress annotations, no finalizers, so any number of replicas can
   watch the same objects, and the reconciler reads the body with
-  :func:`kopf_reconcile.cached`;
+  :func:`kopf_reconcile.cached`. The handler makes kopf watch the resource; the
+  events themselves reach the cache straight from kopf's watch stream (see
+  "Watch streams" below), and the handler then does nothing;
 * a **cleanup** handler, which stops the Loop (draining in-flight reconciles
   and releasing the lease so a peer takes over at once) and closes what the
   startup handler created. kopf runs cleanup handlers one after another, so
@@ -51,6 +53,19 @@ that stops matching looks deleted to the reconciler (``cached`` returns None),
 as a Kubernetes watch with a selector reports it. Only selected objects can
 be gone for the reconciler: the deletion of an object it never selected is
 not its business and triggers nothing.
+
+Watch streams. The shim wraps kopf's watch stream of each resource it reconciles
+(``kopf._cogs.clients.watching.infinite_watch``) and hands every event, in the
+order the stream delivers it, to the reconcilers of the operator that runs that
+stream (the one whose settings their startup handler received). When the operator
+has no other kopf handler for that resource, the events then go no further: kopf
+spends nothing per event or per object on them (no per-object worker task, memory,
+cause detection, handler invocation or log line), which is most of its CPU per
+event. With other handlers for the resource (an ``@kopf.on.update`` next to a
+reconciler, say), kopf still gets every event for those, and the shim's own
+handler skips what its stream already delivered. The cache's intake takes a request
+at once while fewer than the Loop's intake capacity (100,000 by default) of
+distinct objects wait, so the stream does not wait on reconciles.
 
 Relists. When kopf's watch must list again (the API server no longer has the
 events to resume from, "410 Gone"), an object deleted during that gap produces
@@ -220,6 +235,10 @@ class _Registration:
         self.cache: ObjectCache | None = None
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
         self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
+        # The kopf settings of the operator that started this reconciler: its watch
+        # streams feed this reconciler directly (see _install_relist_sweep).
+        self.settings: object | None = None
+        self.feeding_streams = 0  # kopf watch streams that feed it now
 
     @property
     def reconciler_id(self) -> str:
@@ -240,12 +259,13 @@ class _Registration:
             plural=o.plural,
             id=f"{prefix}/events",
             registry=reg,
-        )(self.on_event)
+        )(self.on_kopf_event)
 
     # -- kopf handlers -----------------------------------------------------------------
 
     async def startup(self, settings: kopf.OperatorSettings, **_: Any) -> None:
         self._stopping = None  # a registry may run an operator again
+        self.settings = None
         config = process_settings.current()
         _standalone_unless_peering(settings)
         o = self.options
@@ -289,6 +309,7 @@ class _Registration:
             self.cache = cache
             await loop.start()
             self.loop = loop
+            self.settings = settings  # from now on its watch streams feed the cache
         except BaseException:
             self.cache = None
             await self._close_owned()
@@ -320,6 +341,7 @@ class _Registration:
 
     async def _stop(self) -> None:
         loop, self.loop = self.loop, None
+        self.settings = None
         if self.cache is not None:
             # Events during and after the stop are dropped, never left waiting on a Loop
             # that is gone (kopf would wait for the handler forever): the next leader's
@@ -335,7 +357,13 @@ class _Registration:
     async def probe(self, **_: Any) -> dict[str, object]:
         return self.status()
 
+    async def on_kopf_event(self, event: Mapping[str, Any], **_: Any) -> None:
+        """kopf's on.event handler: only for events its watch stream did not deliver."""
+        if not self.feeding_streams:
+            await self.on_event(event)
+
     async def on_event(self, event: Mapping[str, Any], **_: Any) -> None:
+        """One watch event: store (or drop) the body in the cache, request a reconcile."""
         cache = self.cache
         body = event.get("object")
         if cache is None or not isinstance(body, Mapping):
@@ -650,6 +678,11 @@ def _install_relist_sweep() -> None:
     sees every listing of every stream and can insert, before the marker, a DELETED
     event for each object the stream knew that the listing lacks. Those go through
     kopf's per-object queues like real events, after that object's earlier ones.
+
+    The same wrapper feeds the started reconcilers of the operator running the stream
+    (see "Watch streams" in the module docstring): every event, swept deletions
+    included, reaches their caches in the stream's order, and reaches kopf only when
+    kopf has other handlers of the resource.
     """
     watching: Any = None
     with contextlib.suppress(ImportError):
@@ -665,28 +698,84 @@ def _install_relist_sweep() -> None:
     if getattr(original, "_kopf_reconcile_sweeps", False):
         return
 
-    async def infinite_watch(*, resource: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        stream = original(resource=resource, **kwargs)
-        reconciled = any(
-            r.options.group == resource.group and r.options.plural == resource.plural
+    async def infinite_watch(
+        *, resource: Any, settings: Any = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        stream = original(resource=resource, settings=settings, **kwargs)
+        reconcilers = [
+            r
             for r in _registrations
-        )
+            if r.options.group == resource.group and r.options.plural == resource.plural
+        ]
+        # The reconcilers of the operator running this stream, started: fed from here.
+        fed = [
+            r
+            for r in reconcilers
+            if settings is not None
+            and r.settings is settings
+            and r.options.version == getattr(resource, "version", r.options.version)
+        ]
+        # Without other kopf handlers of the resource, kopf need not see the events at all.
+        alone = bool(fed) and not any(_kopf_handles(r.registry, resource) for r in fed)
         async with contextlib.aclosing(stream):
-            if not reconciled:
+            if not reconcilers:
                 async for item in stream:
                     yield item
                 return
-            tracker = ListingTracker()
-            async for item in stream:
-                if item is listed_marker:
-                    for deleted in tracker.listed():
-                        yield deleted
-                elif isinstance(item, Mapping):
-                    tracker.observe(item)
-                yield item
+            # Kept for the sweep: the last bodies for kopf's handlers, else identities only.
+            tracker = ListingTracker(whole_bodies=not alone)
+            for registration in fed:
+                registration.feeding_streams += 1
+            try:
+                async for item in stream:
+                    if item is listed_marker:
+                        for deleted in tracker.listed():
+                            await _feed(fed, deleted)
+                            if not alone:
+                                yield deleted
+                    elif isinstance(item, Mapping):
+                        tracker.observe(item)
+                        await _feed(fed, item)
+                        if alone:
+                            continue
+                    yield item
+            finally:
+                for registration in fed:
+                    registration.feeding_streams -= 1
 
     infinite_watch._kopf_reconcile_sweeps = True  # type: ignore[attr-defined]
     watching.infinite_watch = infinite_watch
+
+
+# kopf's registries of resource handlers: any handler there other than the shim's own
+# needs kopf to see the resource's events.
+_KOPF_RESOURCE_REGISTRIES = ("_indexing", "_watching", "_spawning", "_changing", "_webhooks")
+
+
+def _kopf_handles(registry: Any, resource: Any) -> bool:
+    """Whether ``registry`` has a handler of ``resource`` other than the shim's own."""
+    for name in _KOPF_RESOURCE_REGISTRIES:
+        handlers = getattr(registry, name, None)
+        if handlers is None:  # pragma: no cover - another kopf layout: let kopf see all
+            return True
+        for handler in handlers.get_all_handlers():
+            if str(getattr(handler, "id", "")).startswith(EVENT_HANDLER_PREFIX):
+                continue
+            selector = getattr(handler, "selector", None)
+            if selector is None or selector.check(resource):
+                return True
+    return False
+
+
+async def _feed(registrations: list[_Registration], event: Mapping[str, Any]) -> None:
+    """One watch event to each reconciler fed by this stream; a failure is logged, not raised."""
+    for registration in registrations:
+        try:
+            await registration.on_event(event)
+        except Exception:
+            logger.exception(
+                "reconciler %s could not take a watch event", registration.reconciler_id
+            )
 
 
 def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:

@@ -23,12 +23,20 @@ under the same name during the gap is a new uid in the listing, and the old uid
 is reported deleted. Only a complete listing sweeps; one cut short (the
 connection broke mid-way) is merged with the next listing, which can only keep
 more objects, never report a live one deleted.
+
+Memory. The tracker holds every live object of its stream, so it keeps each last
+body pickled (a few hundred bytes for a small custom resource, instead of the
+watch's nested dicts, which it would otherwise keep alive next to every cache).
+When the stream's only consumers need no more than the object's identity (the kopf
+shim's reconcilers, which forget a deleted object by its uid), ``whole_bodies=False``
+keeps just that: apiVersion, kind, name, namespace and uid.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["ListingTracker"]
 
@@ -38,9 +46,12 @@ Event = Mapping[str, Any]
 class ListingTracker:
     """The live objects of one watch stream, and what a completed listing no longer holds."""
 
-    def __init__(self) -> None:
-        self._live: dict[str, Mapping[str, Any]] = {}  # uid -> the last body the stream carried
+    def __init__(self, *, whole_bodies: bool = True) -> None:
+        """``whole_bodies=False``: report a deletion with the object's identity only."""
+        # uid -> the last body the stream carried (see _kept)
+        self._live: dict[str, object] = {}
         self._listing: set[str] | None = None  # uids of the listing being delivered
+        self._whole_bodies = whole_bodies
 
     def __len__(self) -> int:
         return len(self._live)
@@ -56,9 +67,9 @@ class ListingTracker:
             if self._listing is None:
                 self._listing = set()
             self._listing.add(uid)
-            self._live[uid] = body
+            self._live[uid] = self._kept(body)
         elif kind in ("ADDED", "MODIFIED"):
-            self._live[uid] = body
+            self._live[uid] = self._kept(body)
         elif kind == "DELETED":
             self._live.pop(uid, None)
 
@@ -67,7 +78,49 @@ class ListingTracker:
         listing = self._listing if self._listing is not None else set()  # an empty listing
         self._listing = None
         missing = [uid for uid in self._live if uid not in listing]
-        return [{"type": "DELETED", "object": self._live.pop(uid)} for uid in missing]
+        return [{"type": "DELETED", "object": _restored(self._live.pop(uid))} for uid in missing]
+
+    def _kept(self, body: Mapping[str, Any]) -> object:
+        if not self._whole_bodies:
+            metadata = body.get("metadata")
+            assert isinstance(metadata, Mapping)  # it has a uid
+            return _Identity(
+                body.get("apiVersion"),
+                body.get("kind"),
+                metadata.get("name"),
+                metadata.get("namespace"),
+                metadata.get("uid"),
+            )
+        if type(body) is dict:
+            try:
+                return pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
+                pass
+        return body
+
+
+class _Identity(NamedTuple):
+    """What a tracker without whole bodies keeps of an object."""
+
+    api_version: Any
+    kind: Any
+    name: Any
+    namespace: Any
+    uid: Any
+
+
+def _restored(kept: object) -> dict[str, Any]:
+    if isinstance(kept, bytes):
+        body: dict[str, Any] = pickle.loads(kept)
+        return body
+    if isinstance(kept, _Identity):
+        api_version, kind, name, namespace, uid = kept
+        metadata = {"name": name, "uid": uid}
+        if namespace is not None:
+            metadata["namespace"] = namespace
+        return {"apiVersion": api_version, "kind": kind, "metadata": metadata}
+    assert isinstance(kept, Mapping)
+    return dict(kept)
 
 
 def _uid(body: object) -> str | None:
