@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import urllib.request
 from typing import Any
 
+import aiohttp
 import kopf
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -146,7 +148,24 @@ async def _api_client() -> client.ApiClient:
             else:
                 await config.load_kube_config(client_configuration=configuration)
             _api = client.ApiClient(configuration)
+            if configuration.proxy is None and not urllib.request.getproxies():
+                _api.rest_client.pool_manager = _session_without_environment(
+                    _api.rest_client.pool_manager
+                )
         return _api
+
+
+def _session_without_environment(session: aiohttp.ClientSession) -> aiohttp.ClientSession:
+    """The same connection pool, in a session that does not consult the environment.
+
+    kubernetes-asyncio's session trusts the environment, so aiohttp looks up proxies
+    and ``~/.netrc`` in a thread for every request: a quarter of this operator's CPU
+    per Device. With no proxy configured there is nothing to find (kopf's own client
+    does not trust the environment either).
+    """
+    connector = session.connector
+    session.detach()  # the connector now belongs to the new session
+    return aiohttp.ClientSession(connector=connector, read_bufsize=2**21)  # as the client's
 
 
 @kopf.on.cleanup()

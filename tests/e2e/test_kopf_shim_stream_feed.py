@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import kopf
 import pytest
 import pytest_asyncio
+import yaml
 from kopf._core.reactor import inventory
 
 import kopf_reconcile as kr
@@ -24,6 +26,7 @@ from kopf_reconcile.integration.settings import Settings
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import eventually
 
+ROOT = Path(__file__).parents[2]
 CONFIGMAPS = "/api/v1/namespaces/default/configmaps"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 
@@ -120,3 +123,106 @@ async def test_events_reach_the_reconciler_from_the_watch_stream(
         assert remembered
     else:
         assert not remembered  # kopf never saw an object: no per-object memory, no worker
+
+
+async def run_operator(registry: Any, cluster_url: str, **options: Any) -> asyncio.Task[Any]:
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=cluster_url)
+
+    return asyncio.create_task(kopf.operator(registry=registry, **options))
+
+
+async def test_a_namespace_created_later_is_watched_beside_a_namespaces_reconciler(
+    cluster_url: str, http: aiohttp.ClientSession
+) -> None:
+    # kopf's namespace observer reads the namespaces stream the shim would feed from:
+    # it must still see a namespace matching the glob that appears after start.
+    async with http.post("/api/v1/namespaces", json={"metadata": {"name": "team-a"}}) as r:
+        assert r.status == 201, await r.text()
+    registry = kopf.OperatorRegistry()
+    seen: list[str] = []
+
+    @kr.reconciler(
+        "", "v1", "namespaces",
+        tenancy=kr.Tenancy.SINGLE_TENANT, reconciler_id="namespaces-beside-glob",
+        leader=None, fenced=None, metrics=None, events=False, registry=registry,
+    )  # fmt: skip
+    async def reconcile_namespace(req: kr.Request) -> None:
+        seen.append(f"namespace {req.entity_id}")
+
+    @kr.reconciler(
+        "", "v1", "configmaps",
+        tenancy=kr.Tenancy.TENANT_SCOPED, reconciler_id="configmaps-in-glob",
+        leader=None, fenced=None, metrics=None, events=False, registry=registry,
+    )  # fmt: skip
+    async def reconcile_configmap(req: kr.Request) -> None:
+        seen.append(f"configmap {req.entity_id}")
+
+    stop = asyncio.Event()
+    operator = await run_operator(registry, cluster_url, namespaces=["team-*"], stop_flag=stop)
+    try:
+        await eventually(lambda: "namespace team-a" in seen, timeout=10)
+        async with http.post("/api/v1/namespaces", json={"metadata": {"name": "team-b"}}) as r:
+            assert r.status == 201, await r.text()
+        await eventually(lambda: "namespace team-b" in seen, timeout=10)
+        body = {"metadata": {"name": "c2"}}
+        async with http.post("/api/v1/namespaces/team-b/configmaps", json=body) as r:
+            assert r.status == 201, await r.text()
+        await eventually(lambda: "configmap team-b/c2" in seen, timeout=10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(operator, 20)
+
+
+async def test_a_crd_created_later_is_watched_beside_a_crd_reconciler(
+    cluster_url: str, http: aiohttp.ClientSession
+) -> None:
+    # kopf's resource observer reads the CRD stream: a CRD created after start must
+    # still start the watch of its resource.
+    crd = yaml.safe_load((ROOT / "crds" / "devices.yaml").read_text())
+    registry = kopf.OperatorRegistry()
+    seen: list[str] = []
+
+    @kr.reconciler(
+        "apiextensions.k8s.io", "v1", "customresourcedefinitions",
+        tenancy=kr.Tenancy.SINGLE_TENANT, reconciler_id="crds-beside-observer",
+        leader=None, fenced=None, metrics=None, events=False, registry=registry,
+    )  # fmt: skip
+    async def reconcile_crd(req: kr.Request) -> None:
+        seen.append(f"crd {req.entity_id}")
+
+    @kr.reconciler(
+        "example.com", "v1", "devices",
+        tenancy=kr.Tenancy.TENANT_SCOPED, reconciler_id="devices-appearing-later",
+        leader=None, fenced=None, metrics=None, events=False, registry=registry,
+    )  # fmt: skip
+    async def reconcile_device(req: kr.Request) -> None:
+        seen.append(f"device {req.entity_id}")
+
+    stop = asyncio.Event()
+    operator = await run_operator(registry, cluster_url, clusterwide=True, stop_flag=stop)
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    try:
+        await asyncio.sleep(1)  # started without the CRD (nothing to wait on: no event)
+        async with http.post(crds, json=crd) as r:
+            assert r.status == 201, await r.text()
+        name = crd["metadata"]["name"]
+        await eventually(lambda: f"crd {name}" in seen, timeout=10)
+        body = {
+            "apiVersion": "example.com/v1",
+            "kind": crd["spec"]["names"]["kind"],
+            "metadata": {"name": "d1"},
+            "spec": {"desired": "on"},
+        }
+        devices = "/apis/example.com/v1/namespaces/default/devices"
+
+        async def created() -> bool:
+            async with http.post(devices, json=body) as r:
+                return r.status in (201, 409)
+
+        await eventually(created, timeout=10, message="the Devices resource is served")
+        await eventually(lambda: "device default/d1" in seen, timeout=10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(operator, 20)

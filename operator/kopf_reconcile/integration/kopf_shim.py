@@ -63,7 +63,10 @@ spends nothing per event or per object on them (no per-object worker task, memor
 cause detection, handler invocation or log line), which is most of its CPU per
 event. With other handlers for the resource (an ``@kopf.on.update`` next to a
 reconciler, say), kopf still gets every event for those, and the shim's own
-handler skips what its stream already delivered. The cache's intake takes a request
+handler skips what its stream already delivered. Namespaces and CRDs are never
+bypassed: kopf's own observers (of namespaces matching a glob, of resources that
+appear later) read those streams, so there the reconcilers are fed through their
+kopf handler. The cache's intake takes a request
 at once while fewer than the Loop's intake capacity (100,000 by default) of
 distinct objects wait, so the stream does not wait on reconciles.
 
@@ -72,8 +75,9 @@ events to resume from, "410 Gone"), an object deleted during that gap produces
 no DELETED event. The shim wraps kopf's watch stream of each resource it
 reconciles: once a listing is complete, every object the stream knew that the
 listing no longer holds is delivered as a DELETED event (with its last body),
-as client-go's informers do (:mod:`kopf_reconcile.integration.relisting`). Every handler
-of that resource in the operator sees those events, as it sees real ones.
+as client-go's informers do (:mod:`kopf_reconcile.integration.relisting`). The
+reconcilers, and every kopf handler of that resource in the operator when kopf sees
+its events, get those as they get real ones.
 
 Reconciler ids. By default a reconciler's id (its lease name and fenced
 scope) is derived from the resource and the function's name,
@@ -708,12 +712,16 @@ def _install_relist_sweep() -> None:
             if r.options.group == resource.group and r.options.plural == resource.plural
         ]
         # The reconcilers of the operator running this stream, started: fed from here.
+        # Not on the streams kopf's own observers read (namespaces for a namespace glob,
+        # CRDs for resources that appear later): those must reach kopf whole, so there
+        # the reconcilers are fed through their kopf handler, as for a shared resource.
         fed = [
             r
             for r in reconcilers
             if settings is not None
             and r.settings is settings
             and r.options.version == getattr(resource, "version", r.options.version)
+            and (resource.group, resource.plural) not in _OBSERVED_BY_KOPF
         ]
         # Without other kopf handlers of the resource, kopf need not see the events at all.
         alone = bool(fed) and not any(_kopf_handles(r.registry, resource) for r in fed)
@@ -746,6 +754,11 @@ def _install_relist_sweep() -> None:
     infinite_watch._kopf_reconcile_sweeps = True  # type: ignore[attr-defined]
     watching.infinite_watch = infinite_watch
 
+
+# (group, plural) of the resources whose watch streams kopf's observers also read.
+_OBSERVED_BY_KOPF = frozenset(
+    {("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
+)
 
 # kopf's registries of resource handlers: any handler there other than the shim's own
 # needs kopf to see the resource's events.
