@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -45,6 +44,8 @@ from kopf_e2e import (
     cluster_process,
     cpu_seconds,
     free_port,
+    operator_env,
+    start_operator,
 )
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 from results import result
@@ -186,28 +187,11 @@ async def run_phase(
     burst: int,
     idle_seconds: float,
 ) -> Phase:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("KOPF_RECONCILE_") and k not in ("KUBERNETES_SERVICE_HOST", "POD_NAME")
-    }
-    env |= {
-        "KUBECONFIG": cluster["kubeconfig"],
-        "KOPF_RECONCILE_DATABASE_URL": dsn,
-        "KOPF_RECONCILE_LEADER": "kubernetes",
-        "POD_NAMESPACE": namespace,
-    }
+    env = operator_env(cluster, dsn, namespace)
     port = free_port()
     argv = [str(BIN / "kopf-reconcile"), "run", str(ROOT / "operator/examples/devices.py")]
     started = time.perf_counter()
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        f"--metrics-port={port}",
-        f"--namespace={namespace}",
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    process = await start_operator(argv, namespace, env, port)
     pid = process.pid
     try:
 
@@ -394,4 +378,6 @@ if __name__ == "__main__":
     parser.add_argument("--burst", type=int, default=1000)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     arguments = parser.parse_args()
+    if not 0 < arguments.burst <= arguments.devices:
+        parser.error(f"--burst updates existing Devices: 1 to --devices, got {arguments.burst}")
     asyncio.run(main(arguments.devices, arguments.burst, arguments.idle_seconds))

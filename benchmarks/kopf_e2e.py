@@ -134,20 +134,40 @@ async def cluster_process() -> AsyncIterator[dict[str, str]]:
 # -- one round of one contestant ----------------------------------------------------------
 
 
-async def run(
-    contestant: Contestant, devices: int, cluster: dict[str, str], dsn: str, namespace: str
-) -> Outcome:
+def operator_env(cluster: dict[str, str], dsn: str, namespace: str) -> dict[str, str]:
+    """An operator process's environment: this one's, less its own settings, plus the run's."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("KOPF_RECONCILE_") and k not in ("KUBERNETES_SERVICE_HOST", "POD_NAME")
     }
-    env |= {
+    return env | {
         "KUBECONFIG": cluster["kubeconfig"],
         "KOPF_RECONCILE_DATABASE_URL": dsn,
         "KOPF_RECONCILE_LEADER": "kubernetes",
         "POD_NAMESPACE": namespace,
     }
+
+
+async def start_operator(
+    argv: list[str], namespace: str, env: dict[str, str], metrics_port: int | None
+) -> asyncio.subprocess.Process:
+    """An operator process watching ``namespace``, its output discarded."""
+    extra = [] if metrics_port is None else [f"--metrics-port={metrics_port}"]
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        *extra,
+        f"--namespace={namespace}",
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+
+
+async def run(
+    contestant: Contestant, devices: int, cluster: dict[str, str], dsn: str, namespace: str
+) -> Outcome:
+    env = operator_env(cluster, dsn, namespace)
     headers = {"User-Agent": DRIVER}
     async with (
         aiohttp.ClientSession(base_url=cluster["url"], headers=headers) as http,
@@ -157,15 +177,7 @@ async def run(
             assert r.status == 201, await r.text()
         url = f"/apis/example.com/v1/namespaces/{namespace}/devices"
         metrics_port = free_port() if contestant.name == "shim" else None
-        extra = [] if metrics_port is None else [f"--metrics-port={metrics_port}"]
-        process = await asyncio.create_subprocess_exec(
-            *contestant.argv,
-            *extra,
-            f"--namespace={namespace}",
-            env=env,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
+        process = await start_operator(contestant.argv, namespace, env, metrics_port)
         try:
             await create(http, url, "warm-up")
             await until(lambda: stored(pool, namespace, 1), timeout=60)

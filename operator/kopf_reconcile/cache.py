@@ -117,24 +117,21 @@ _current: contextvars.ContextVar[ObjectCache | None] = contextvars.ContextVar(
 
 @dataclasses.dataclass(slots=True)
 class _Incarnation:
-    stored: bytes | Mapping[str, Any]  # the pickled body (else the body: see _store)
+    stored: bytes | Mapping[str, Any]  # the pickled body (else the body: see compact_body)
     seen: int  # when the cache first saw this uid under its entity: breaks creation-time ties
     created: str  # metadata.creationTimestamp: the later one is the current incarnation
     generation: object  # metadata.generation (None without one)
 
     @classmethod
     def of(cls, body: Mapping[str, Any], seen: int) -> _Incarnation:
-        return cls(_store(body), seen, _created(body), _generation(body))
+        return cls(compact_body(body), seen, _created(body), _generation(body))
 
     def body(self) -> Body:
         """A private copy of the body."""
-        if isinstance(self.stored, bytes):
-            loaded: Body = pickle.loads(self.stored)
-            return loaded
-        return copy.deepcopy(dict(self.stored))
+        return restored_body(self.stored)
 
 
-def _store(body: Mapping[str, Any]) -> bytes | Mapping[str, Any]:
+def compact_body(body: Mapping[str, Any]) -> bytes | Mapping[str, Any]:
     """``body`` pickled (compact, and a fresh copy on every load), else ``body`` itself."""
     if type(body) is dict:
         try:
@@ -142,6 +139,14 @@ def _store(body: Mapping[str, Any]) -> bytes | Mapping[str, Any]:
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
             pass
     return body
+
+
+def restored_body(kept: bytes | Mapping[str, Any]) -> Body:
+    """A private copy of a body :func:`compact_body` kept."""
+    if isinstance(kept, bytes):
+        loaded: Body = pickle.loads(kept)
+        return loaded
+    return copy.deepcopy(dict(kept))
 
 
 class ObjectCache:

@@ -34,9 +34,10 @@ keeps just that: apiVersion, kind, name, namespace and uid.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping
 from typing import Any, NamedTuple
+
+from kopf_reconcile.cache import compact_body, restored_body
 
 __all__ = ["ListingTracker"]
 
@@ -91,12 +92,7 @@ class ListingTracker:
                 metadata.get("namespace"),
                 metadata.get("uid"),
             )
-        if type(body) is dict:
-            try:
-                return pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
-            except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
-                pass
-        return body
+        return compact_body(body)
 
 
 class _Identity(NamedTuple):
@@ -110,17 +106,14 @@ class _Identity(NamedTuple):
 
 
 def _restored(kept: object) -> dict[str, Any]:
-    if isinstance(kept, bytes):
-        body: dict[str, Any] = pickle.loads(kept)
-        return body
     if isinstance(kept, _Identity):
         api_version, kind, name, namespace, uid = kept
         metadata = {"name": name, "uid": uid}
         if namespace is not None:
             metadata["namespace"] = namespace
         return {"apiVersion": api_version, "kind": kind, "metadata": metadata}
-    assert isinstance(kept, Mapping)
-    return dict(kept)
+    assert isinstance(kept, bytes | Mapping)
+    return restored_body(kept)
 
 
 def _uid(body: object) -> str | None:
