@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
+import pytest
 import pytest_asyncio
 import yaml
 from operator_e2e import CRDS, DEVICES_CRD, RECONCILER_ID, Devices, Operators, Store
 
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.integration import settings as process_settings
+from kopf_reconcile.integration.settings import Settings
 from support import eventually
 
 
@@ -46,6 +49,21 @@ async def cluster_url() -> AsyncIterator[str]:
 async def http(kube: Any) -> AsyncIterator[aiohttp.ClientSession]:
     async with kube.http_session() as session:
         yield session
+
+
+@pytest_asyncio.fixture
+async def cluster_http(cluster_url: str) -> AsyncIterator[aiohttp.ClientSession]:
+    """A raw HTTP session on ``cluster_url``'s embedded cluster."""
+    async with aiohttp.ClientSession(base_url=cluster_url) as session:
+        yield session
+
+
+@pytest.fixture
+def no_environment() -> Iterator[None]:
+    """kopf run in this process, with the shim's settings of an empty environment."""
+    process_settings.install(Settings.load({}))
+    yield
+    process_settings.install(None)
 
 
 @pytest_asyncio.fixture

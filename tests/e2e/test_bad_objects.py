@@ -28,8 +28,6 @@ import pytest_asyncio
 
 import kopf_reconcile as kr
 from kopf_reconcile.integration import kopf_shim
-from kopf_reconcile.integration import settings as process_settings
-from kopf_reconcile.integration.settings import Settings
 from support import eventually
 
 GROUP = "badinput.example.com"
@@ -81,11 +79,7 @@ async def http(cluster_url: str) -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-@pytest.fixture(autouse=True)
-def no_environment() -> Any:
-    process_settings.install(Settings.load({}))
-    yield
-    process_settings.install(None)
+pytestmark = pytest.mark.usefixtures("no_environment")
 
 
 async def create(http: aiohttp.ClientSession, name: str, **fields: Any) -> None:

@@ -9,20 +9,16 @@ long-lived watch handlers would count as tasks of the operator, which kopf cance
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import kopf
 import pytest
-import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
 import kopf_reconcile as kr
 from kopf_reconcile.integration import kopf_shim
-from kopf_reconcile.integration import settings as process_settings
-from kopf_reconcile.integration.settings import Settings
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import eventually
 
@@ -49,18 +45,8 @@ class Seen:
         return len(self.calls.get(entity_id, []))
 
 
-@pytest_asyncio.fixture
-async def http(cluster_url: str) -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(base_url=cluster_url) as session:
-        yield session
-
-
-@pytest.fixture(autouse=True)
-def no_environment() -> Any:
-    """The reconcilers here take their adapters from arguments, never from the environment."""
-    process_settings.install(Settings.load({}))
-    yield
-    process_settings.install(None)
+# The reconcilers here take their adapters from arguments, never from the environment.
+pytestmark = pytest.mark.usefixtures("no_environment")
 
 
 async def configmap(http: aiohttp.ClientSession, name: str, labels: dict[str, str]) -> None:
@@ -70,7 +56,7 @@ async def configmap(http: aiohttp.ClientSession, name: str, labels: dict[str, st
 
 
 async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
-    cluster_url: str, http: aiohttp.ClientSession
+    cluster_url: str, cluster_http: aiohttp.ClientSession
 ) -> None:
     registry = kopf.OperatorRegistry()
     leases = MemoryLeaseStore()
@@ -125,9 +111,9 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
         assert leases.holder(OTHERS) is not None
         assert leases.holder(TEAM_A) != leases.holder(OTHERS)
 
-        await configmap(http, "a1", {"team": "a"})
-        await configmap(http, "b1", {"team": "b"})
-        await configmap(http, "ignored", {"team": "a"})
+        await configmap(cluster_http, "a1", {"team": "a"})
+        await configmap(cluster_http, "b1", {"team": "b"})
+        await configmap(cluster_http, "ignored", {"team": "a"})
         await eventually(lambda: isinstance(team_a.last("default/a1"), dict), timeout=10)
         await eventually(lambda: isinstance(others.last("default/b1"), dict), timeout=10)
         await eventually(lambda: isinstance(team_a.last("default/ignored"), dict), timeout=10)
@@ -140,7 +126,7 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
         await eventually(lambda: team_a.count("default/a1") >= calls + 2, timeout=5)
 
         # Deleted: the reconciler runs once more and cached() is None; then never again.
-        async with http.delete(f"{CONFIGMAPS}/a1") as response:
+        async with cluster_http.delete(f"{CONFIGMAPS}/a1") as response:
             assert response.status == 200
         await eventually(lambda: team_a.last("default/a1") is None, timeout=10)
         calls = team_a.count("default/a1")
@@ -149,7 +135,8 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
 
         # Leaving the selection looks like a deletion to the reconciler.
         patch = {"metadata": {"labels": {"team": "c"}}}
-        async with http.patch(f"{CONFIGMAPS}/ignored", json=patch, headers=MERGE) as response:
+        ignored = f"{CONFIGMAPS}/ignored"
+        async with cluster_http.patch(ignored, json=patch, headers=MERGE) as response:
             assert response.status == 200
         await eventually(lambda: team_a.last("default/ignored") is None, timeout=10)
 
@@ -175,7 +162,7 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
         TEAM_A: {"running": False},
         OTHERS: {"running": False},
     }
-    async with http.get(CONFIGMAPS) as response:
+    async with cluster_http.get(CONFIGMAPS) as response:
         items = (await response.json())["items"]
     assert all(not (i["metadata"].get("annotations") or {}) for i in items)
     assert all(not i["metadata"].get("finalizers") for i in items)

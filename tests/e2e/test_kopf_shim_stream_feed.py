@@ -8,21 +8,17 @@ reconciler still sees each change once, never twice.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import kopf
 import pytest
-import pytest_asyncio
 import yaml
 from kopf._core.reactor import inventory
 
 import kopf_reconcile as kr
 from kopf_reconcile.integration import kopf_shim
-from kopf_reconcile.integration import settings as process_settings
-from kopf_reconcile.integration.settings import Settings
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import eventually
 
@@ -31,23 +27,21 @@ CONFIGMAPS = "/api/v1/namespaces/default/configmaps"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 
 
-@pytest_asyncio.fixture
-async def http(cluster_url: str) -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(base_url=cluster_url) as session:
-        yield session
+pytestmark = pytest.mark.usefixtures("no_environment")
 
 
-@pytest.fixture(autouse=True)
-def no_environment() -> Any:
-    process_settings.install(Settings.load({}))
-    yield
-    process_settings.install(None)
+async def run_operator(registry: Any, cluster_url: str, **options: Any) -> asyncio.Task[Any]:
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=cluster_url)
+
+    return asyncio.create_task(kopf.operator(registry=registry, **options))
 
 
 @pytest.mark.parametrize("other_handler", [False, True], ids=["alone", "beside-kopf-handler"])
 async def test_events_reach_the_reconciler_from_the_watch_stream(
     cluster_url: str,
-    http: aiohttp.ClientSession,
+    cluster_http: aiohttp.ClientSession,
     monkeypatch: pytest.MonkeyPatch,
     other_handler: bool,
 ) -> None:
@@ -63,10 +57,6 @@ async def test_events_reach_the_reconciler_from_the_watch_stream(
         return await recall(self, raw_body, **kwargs)
 
     monkeypatch.setattr(inventory.ResourceMemories, "recall", remembering)
-
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=cluster_url)
 
     @kr.reconciler(
         "", "v1", "configmaps",
@@ -89,25 +79,27 @@ async def test_events_reach_the_reconciler_from_the_watch_stream(
             kopf_saw.append(name)
 
     stop = asyncio.Event()
-    operator = asyncio.create_task(
-        kopf.operator(registry=registry, namespaces=["default"], stop_flag=stop)
-    )
+    operator = await run_operator(registry, cluster_url, namespaces=["default"], stop_flag=stop)
     try:
         await eventually(
             lambda: all(s.get("leader") for s in kopf_shim.status(registry).values()), timeout=10
         )
         body = {"metadata": {"name": "fed"}, "data": {"k": "v1"}}
-        async with http.post(CONFIGMAPS, json=body) as response:
+        async with cluster_http.post(CONFIGMAPS, json=body) as response:
             assert response.status == 201, await response.text()
         await eventually(lambda: ("default/fed", "v1") in seen, timeout=10)
         patch = {"data": {"k": "v2"}}
-        async with http.patch(f"{CONFIGMAPS}/fed", json=patch, headers=MERGE) as response:
+        async with cluster_http.patch(f"{CONFIGMAPS}/fed", json=patch, headers=MERGE) as response:
             assert response.status == 200
         await eventually(lambda: ("default/fed", "v2") in seen, timeout=10)
-        async with http.delete(f"{CONFIGMAPS}/fed") as response:
+        async with cluster_http.delete(f"{CONFIGMAPS}/fed") as response:
             assert response.status == 200
         await eventually(lambda: ("default/fed", None) in seen, timeout=10)
-        await asyncio.sleep(0.3)  # a second delivery, if any, would come now
+        # A later object reconciled: a second delivery of the first, if any, came before.
+        later = {"metadata": {"name": "later"}, "data": {"k": "v"}}
+        async with cluster_http.post(CONFIGMAPS, json=later) as r:
+            assert r.status == 201, await r.text()
+        await eventually(lambda: any(e == "default/later" for e, _ in seen), timeout=10)
     finally:
         stop.set()
         await asyncio.wait_for(operator, 20)
@@ -125,20 +117,12 @@ async def test_events_reach_the_reconciler_from_the_watch_stream(
         assert not remembered  # kopf never saw an object: no per-object memory, no worker
 
 
-async def run_operator(registry: Any, cluster_url: str, **options: Any) -> asyncio.Task[Any]:
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=cluster_url)
-
-    return asyncio.create_task(kopf.operator(registry=registry, **options))
-
-
 async def test_a_namespace_created_later_is_watched_beside_a_namespaces_reconciler(
-    cluster_url: str, http: aiohttp.ClientSession
+    cluster_url: str, cluster_http: aiohttp.ClientSession
 ) -> None:
     # kopf's namespace observer reads the namespaces stream the shim would feed from:
     # it must still see a namespace matching the glob that appears after start.
-    async with http.post("/api/v1/namespaces", json={"metadata": {"name": "team-a"}}) as r:
+    async with cluster_http.post("/api/v1/namespaces", json={"metadata": {"name": "team-a"}}) as r:
         assert r.status == 201, await r.text()
     registry = kopf.OperatorRegistry()
     seen: list[str] = []
@@ -163,11 +147,12 @@ async def test_a_namespace_created_later_is_watched_beside_a_namespaces_reconcil
     operator = await run_operator(registry, cluster_url, namespaces=["team-*"], stop_flag=stop)
     try:
         await eventually(lambda: "namespace team-a" in seen, timeout=10)
-        async with http.post("/api/v1/namespaces", json={"metadata": {"name": "team-b"}}) as r:
+        team_b = {"metadata": {"name": "team-b"}}
+        async with cluster_http.post("/api/v1/namespaces", json=team_b) as r:
             assert r.status == 201, await r.text()
         await eventually(lambda: "namespace team-b" in seen, timeout=10)
         body = {"metadata": {"name": "c2"}}
-        async with http.post("/api/v1/namespaces/team-b/configmaps", json=body) as r:
+        async with cluster_http.post("/api/v1/namespaces/team-b/configmaps", json=body) as r:
             assert r.status == 201, await r.text()
         await eventually(lambda: "configmap team-b/c2" in seen, timeout=10)
     finally:
@@ -176,7 +161,7 @@ async def test_a_namespace_created_later_is_watched_beside_a_namespaces_reconcil
 
 
 async def test_a_crd_created_later_is_watched_beside_a_crd_reconciler(
-    cluster_url: str, http: aiohttp.ClientSession
+    cluster_url: str, cluster_http: aiohttp.ClientSession
 ) -> None:
     # kopf's resource observer reads the CRD stream: a CRD created after start must
     # still start the watch of its resource.
@@ -205,7 +190,7 @@ async def test_a_crd_created_later_is_watched_beside_a_crd_reconciler(
     crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
     try:
         await asyncio.sleep(1)  # started without the CRD (nothing to wait on: no event)
-        async with http.post(crds, json=crd) as r:
+        async with cluster_http.post(crds, json=crd) as r:
             assert r.status == 201, await r.text()
         name = crd["metadata"]["name"]
         await eventually(lambda: f"crd {name}" in seen, timeout=10)
@@ -218,7 +203,7 @@ async def test_a_crd_created_later_is_watched_beside_a_crd_reconciler(
         devices = "/apis/example.com/v1/namespaces/default/devices"
 
         async def created() -> bool:
-            async with http.post(devices, json=body) as r:
+            async with cluster_http.post(devices, json=body) as r:
                 return r.status in (201, 409)
 
         await eventually(created, timeout=10, message="the Devices resource is served")

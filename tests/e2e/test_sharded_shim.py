@@ -9,19 +9,15 @@ decoration.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import kopf
 import pytest
-import pytest_asyncio
 
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.integration import kopf_shim
-from kopf_reconcile.integration import settings as process_settings
-from kopf_reconcile.integration.settings import Settings
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.sharding import ShardAssignment
 from support import eventually
@@ -31,21 +27,11 @@ RID = "configmaps-sharded"
 SHARDS = 3
 
 
-@pytest_asyncio.fixture
-async def http(cluster_url: str) -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(base_url=cluster_url) as session:
-        yield session
-
-
-@pytest.fixture(autouse=True)
-def no_environment() -> Any:
-    process_settings.install(Settings.load({}))
-    yield
-    process_settings.install(None)
+pytestmark = pytest.mark.usefixtures("no_environment")
 
 
 async def test_a_sharded_reconciler_leads_each_shard_under_its_own_lease(
-    cluster_url: str, http: aiohttp.ClientSession, embedded_postgres_dsn: str
+    cluster_url: str, cluster_http: aiohttp.ClientSession, embedded_postgres_dsn: str
 ) -> None:
     dsn = embedded_postgres_dsn
     registry = kopf.OperatorRegistry()
@@ -85,7 +71,7 @@ async def test_a_sharded_reconciler_leads_each_shard_under_its_own_lease(
         )
         for name in names:
             body = {"metadata": {"name": name}, "data": {"k": "v"}}
-            async with http.post(CONFIGMAPS, json=body) as response:
+            async with cluster_http.post(CONFIGMAPS, json=body) as response:
                 assert response.status == 201, await response.text()
         await eventually(lambda: all(f"default/{n}" in seen for n in names), timeout=20)
         status = kopf_shim.status(registry)[RID]
