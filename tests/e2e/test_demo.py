@@ -25,17 +25,18 @@ def summary_value(output: str, row: str) -> str:
     return match.group(1)
 
 
-def test_demo_runs_the_story_and_every_invariant_holds() -> None:
+def run_demo(*options: str, timeout: float) -> str:
+    """The demo's whole output; it must exit 0."""
     result = subprocess.run(
-        [*DEMO, "--objects", "20", "--ttl", "2", "--work-delay", "0.1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+        [*DEMO, *options], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
+    return output
+
+
+def test_demo_runs_the_story_and_every_invariant_holds() -> None:
+    output = run_demo("--objects", "20", "--ttl", "2", "--work-delay", "0.1", timeout=240)
     assert summary_value(output, "objects") == "20"
     assert summary_value(output, "converged") == "20"
     assert summary_value(output, "failovers") == "2"
@@ -55,16 +56,8 @@ def test_demo_runs_the_story_and_every_invariant_holds() -> None:
 
 
 def test_sharded_demo_moves_only_the_killed_replicas_shards() -> None:
-    result = subprocess.run(
-        [*DEMO, "--shards", "8", "--objects", "24", "--ttl", "3", "--work-delay", "0.05"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    options = ("--shards", "8", "--objects", "24", "--ttl", "3", "--work-delay", "0.05")
+    output = run_demo(*options, timeout=180)
     assert summary_value(output, "shards shared") == "8"
     assert summary_value(output, "converged") == "24"
     assert summary_value(output, "stale writes accepted") == "0"
