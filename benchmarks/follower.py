@@ -37,13 +37,14 @@ import yaml
 
 from kopf_e2e import (
     BIN,
-    CREATE_CONCURRENCY,
     DRIVER,
     ROOT,
     SCOPE,
     cluster_process,
     cpu_seconds,
     free_port,
+    gather_limited,
+    memory_of,
     operator_env,
     start_operator,
 )
@@ -64,28 +65,6 @@ class Phase:
     burst_cpu: float  # CPU seconds from the burst's first request until quiet again
     burst_wall: float
     leader: bool
-
-
-def resident(pid: int) -> float:
-    """The process's resident set size now, in bytes (Linux /proc; NaN elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/status") as file:
-            for line in file:
-                if line.startswith("VmRSS:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-async def gather_limited(calls: list[Callable[[], Awaitable[None]]]) -> None:
-    semaphore = asyncio.Semaphore(CREATE_CONCURRENCY)
-
-    async def one(call: Callable[[], Awaitable[None]]) -> None:
-        async with semaphore:
-            await call()
-
-    await asyncio.gather(*(one(c) for c in calls))
 
 
 async def populate(http: aiohttp.ClientSession, namespace: str, devices: int) -> None:
@@ -211,7 +190,7 @@ async def run_phase(
         listing_wall = time.perf_counter() - started
         listing_cpu = cpu_seconds(pid)
         await quiet(pid)
-        rss = resident(pid)
+        rss = memory_of(pid, "VmRSS")
         report = await health(port)
         assert report is not None and bool(report.get("leader")) is leader, report
         before = cpu_seconds(pid)

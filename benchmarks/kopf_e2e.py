@@ -186,13 +186,9 @@ async def run(
             rss_before = peak_rss(process.pid)
             cpu_before = cpu_seconds(process.pid)
             started = time.perf_counter()
-            semaphore = asyncio.Semaphore(CREATE_CONCURRENCY)
-
-            async def one(i: int) -> None:
-                async with semaphore:
-                    await create(http, url, f"device-{i:05d}")
-
-            await asyncio.gather(*(one(i) for i in range(devices)))
+            await gather_limited(
+                [lambda i=i: create(http, url, f"device-{i:05d}") for i in range(devices)]
+            )
             created = time.perf_counter() - started
             await until(lambda: stored(pool, namespace, devices + 1), timeout=600)
             stored_after = time.perf_counter() - started
@@ -237,16 +233,33 @@ async def reconcile_total(port: int | None) -> float:
     )
 
 
-def peak_rss(pid: int) -> float:
-    """The process's peak resident set size in bytes (Linux /proc; NaN elsewhere)."""
+def memory_of(pid: int, field: str) -> float:
+    """A memory figure of the process in bytes, such as ``VmRSS`` or its peak ``VmHWM``
+    (Linux /proc; NaN elsewhere)."""
     try:
         with open(f"/proc/{pid}/status") as file:
             for line in file:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return float(line.split()[1]) * 1024
     except OSError:
         pass
     return float("nan")
+
+
+def peak_rss(pid: int) -> float:
+    """The process's peak resident set size in bytes."""
+    return memory_of(pid, "VmHWM")
+
+
+async def gather_limited(calls: list[Callable[[], Awaitable[None]]]) -> None:
+    """Await every call, at most CREATE_CONCURRENCY at a time."""
+    semaphore = asyncio.Semaphore(CREATE_CONCURRENCY)
+
+    async def one(call: Callable[[], Awaitable[None]]) -> None:
+        async with semaphore:
+            await call()
+
+    await asyncio.gather(*(one(c) for c in calls))
 
 
 def cpu_seconds(pid: int) -> float:
