@@ -14,11 +14,13 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import kopf
 
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from support import eventually
@@ -279,3 +281,25 @@ def kopf_traces(body: dict[str, Any]) -> list[str]:
     metadata = body["metadata"]
     annotations = [k for k in metadata.get("annotations") or {} if "kopf" in k]
     return annotations + list(metadata.get("finalizers") or [])
+
+
+@asynccontextmanager
+async def kopf_running(
+    registry: Any, cluster_url: str, *, stop_timeout: float = 20, **options: Any
+) -> AsyncIterator[asyncio.Task[Any]]:
+    """kopf's operator on ``registry`` in this process, against ``cluster_url``, stopped at exit.
+
+    ``options`` go to ``kopf.operator`` (such as ``namespaces`` or ``clusterwide``).
+    """
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=cluster_url)
+
+    stop = asyncio.Event()
+    operator = asyncio.create_task(kopf.operator(registry=registry, stop_flag=stop, **options))
+    try:
+        yield operator
+    finally:
+        stop.set()
+        await asyncio.wait_for(operator, stop_timeout)

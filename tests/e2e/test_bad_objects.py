@@ -16,7 +16,6 @@ kopf runs in the test's process, the embedded cluster in a process of its own (s
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +24,7 @@ import aiohttp
 import kopf
 import pytest
 import pytest_asyncio
+from operator_e2e import kopf_running
 
 import kopf_reconcile as kr
 from kopf_reconcile.integration import kopf_shim
@@ -103,10 +103,6 @@ async def test_malformed_objects_fail_alone_and_every_other_object_is_served(
     registry = kopf.OperatorRegistry()
     applied: dict[str, dict[str, Any]] = {}
 
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=cluster_url)
-
     @kr.reconciler(
         GROUP, "v1", "gadgets",
         tenancy=kr.Tenancy.TENANT_SCOPED,
@@ -125,11 +121,7 @@ async def test_malformed_objects_fail_alone_and_every_other_object_is_served(
         desired = body["spec"]["desired"]
         applied[req.entity_id] = {"desired": desired.upper(), "body": body}
 
-    stop = asyncio.Event()
-    operator = asyncio.create_task(
-        kopf.operator(registry=registry, namespaces=["default"], stop_flag=stop)
-    )
-    try:
+    async with kopf_running(registry, cluster_url, namespaces=["default"]):
         await eventually(
             lambda: all(s.get("leader") for s in kopf_shim.status(registry).values()), timeout=10
         )
@@ -183,6 +175,3 @@ async def test_malformed_objects_fail_alone_and_every_other_object_is_served(
         await eventually(
             lambda: applied.get("default/string-spec", {}).get("desired") == "STANDBY", timeout=20
         )
-    finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)

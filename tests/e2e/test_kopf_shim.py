@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import kopf
 import pytest
+from operator_e2e import kopf_running
 from prometheus_client import CollectorRegistry
 
 import kopf_reconcile as kr
@@ -64,10 +65,6 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
     metrics = kr.register_metrics(prometheus)
     team_a, others = Seen(), Seen()
 
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=cluster_url)
-
     @kr.reconciler(
         "", "v1", "configmaps",
         tenancy=kr.Tenancy.TENANT_SCOPED,
@@ -99,11 +96,7 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
             reconcile_team_a
         )
 
-    stop = asyncio.Event()
-    operator = asyncio.create_task(
-        kopf.operator(registry=registry, namespaces=["default"], stop_flag=stop)
-    )
-    try:
+    async with kopf_running(registry, cluster_url, namespaces=["default"]):
         await eventually(
             lambda: all(s.get("leader") for s in kopf_shim.status(registry).values()), timeout=10
         )
@@ -151,9 +144,6 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
         assert status[TEAM_A]["cached_objects"] == 0
         assert status[OTHERS]["cached_objects"] == 1  # b1: a1 is gone, one ignored
         assert status[TEAM_A]["epoch"] == 1
-    finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)
 
     # Cleanup stopped both Loops and released both leases.
     assert leases.holder(TEAM_A) is None

@@ -7,7 +7,6 @@ reconciler still sees each change once, never twice.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import kopf
 import pytest
 import yaml
 from kopf._core.reactor import inventory
+from operator_e2e import kopf_running
 
 import kopf_reconcile as kr
 from kopf_reconcile.integration import kopf_shim
@@ -28,14 +28,6 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 
 
 pytestmark = pytest.mark.usefixtures("no_environment")
-
-
-async def run_operator(registry: Any, cluster_url: str, **options: Any) -> asyncio.Task[Any]:
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=cluster_url)
-
-    return asyncio.create_task(kopf.operator(registry=registry, **options))
 
 
 @pytest.mark.parametrize("other_handler", [False, True], ids=["alone", "beside-kopf-handler"])
@@ -78,9 +70,7 @@ async def test_events_reach_the_reconciler_from_the_watch_stream(
         def plain(name: str, **_: Any) -> None:
             kopf_saw.append(name)
 
-    stop = asyncio.Event()
-    operator = await run_operator(registry, cluster_url, namespaces=["default"], stop_flag=stop)
-    try:
+    async with kopf_running(registry, cluster_url, namespaces=["default"]):
         await eventually(
             lambda: all(s.get("leader") for s in kopf_shim.status(registry).values()), timeout=10
         )
@@ -100,9 +90,8 @@ async def test_events_reach_the_reconciler_from_the_watch_stream(
         async with cluster_http.post(CONFIGMAPS, json=later) as r:
             assert r.status == 201, await r.text()
         await eventually(lambda: any(e == "default/later" for e, _ in seen), timeout=10)
-    finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)
+        if other_handler:  # kopf's own handler saw every event (its workers run apart)
+            await eventually(lambda: kopf_saw.count("fed") >= 3, timeout=10)
 
     # One reconcile per change: no event reached the reconciler twice.
     assert [s for s in seen if s[0] == "default/fed"] == [
@@ -143,9 +132,7 @@ async def test_a_namespace_created_later_is_watched_beside_a_namespaces_reconcil
     async def reconcile_configmap(req: kr.Request) -> None:
         seen.append(f"configmap {req.entity_id}")
 
-    stop = asyncio.Event()
-    operator = await run_operator(registry, cluster_url, namespaces=["team-*"], stop_flag=stop)
-    try:
+    async with kopf_running(registry, cluster_url, namespaces=["team-*"]):
         await eventually(lambda: "namespace team-a" in seen, timeout=10)
         team_b = {"metadata": {"name": "team-b"}}
         async with cluster_http.post("/api/v1/namespaces", json=team_b) as r:
@@ -155,9 +142,6 @@ async def test_a_namespace_created_later_is_watched_beside_a_namespaces_reconcil
         async with cluster_http.post("/api/v1/namespaces/team-b/configmaps", json=body) as r:
             assert r.status == 201, await r.text()
         await eventually(lambda: "configmap team-b/c2" in seen, timeout=10)
-    finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)
 
 
 async def test_a_crd_created_later_is_watched_beside_a_crd_reconciler(
@@ -185,11 +169,21 @@ async def test_a_crd_created_later_is_watched_beside_a_crd_reconciler(
     async def reconcile_device(req: kr.Request) -> None:
         seen.append(f"device {req.entity_id}")
 
-    stop = asyncio.Event()
-    operator = await run_operator(registry, cluster_url, clusterwide=True, stop_flag=stop)
     crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-    try:
-        await asyncio.sleep(1)  # started without the CRD (nothing to wait on: no event)
+    async with kopf_running(registry, cluster_url, clusterwide=True):
+        # The CRD stream is live once a first CRD is reconciled: the Devices' comes later.
+        probe = {
+            **crd,
+            "metadata": {"name": "probes.example.org"},
+            "spec": {
+                **crd["spec"],
+                "group": "example.org",
+                "names": {"plural": "probes", "singular": "probe", "kind": "Probe"},
+            },
+        }
+        async with cluster_http.post(crds, json=probe) as r:
+            assert r.status == 201, await r.text()
+        await eventually(lambda: "crd probes.example.org" in seen, timeout=10)
         async with cluster_http.post(crds, json=crd) as r:
             assert r.status == 201, await r.text()
         name = crd["metadata"]["name"]
@@ -208,6 +202,3 @@ async def test_a_crd_created_later_is_watched_beside_a_crd_reconciler(
 
         await eventually(created, timeout=10, message="the Devices resource is served")
         await eventually(lambda: "device default/d1" in seen, timeout=10)
-    finally:
-        stop.set()
-        await asyncio.wait_for(operator, 20)

@@ -8,12 +8,12 @@ decoration.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
 import kopf
 import pytest
+from operator_e2e import kopf_running
 
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
@@ -37,10 +37,6 @@ async def test_a_sharded_reconciler_leads_each_shard_under_its_own_lease(
     registry = kopf.OperatorRegistry()
     seen: dict[str, int] = {}
 
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=cluster_url)
-
     @kr.reconciler(
         "", "v1", "configmaps",
         tenancy=kr.Tenancy.TENANT_SCOPED,
@@ -60,11 +56,7 @@ async def test_a_sharded_reconciler_leads_each_shard_under_its_own_lease(
         seen[req.entity_id] = writer.epoch
 
     names = [f"cm-{i}" for i in range(9)]
-    stop = asyncio.Event()
-    operator = asyncio.create_task(
-        kopf.operator(registry=registry, namespaces=["default"], stop_flag=stop)
-    )
-    try:
+    async with kopf_running(registry, cluster_url, stop_timeout=30, namespaces=["default"]):
         await eventually(
             lambda: len(kopf_shim.status(registry)[RID].get("shards", {})) == SHARDS,  # type: ignore[arg-type]
             timeout=20,
@@ -83,9 +75,6 @@ async def test_a_sharded_reconciler_leads_each_shard_under_its_own_lease(
             k = assignment.shard_of(entity)
             async with PostgresFencedRepository(dsn, scope=f"{RID}-shard-{k}") as repo:
                 assert await repo.get_state(entity) == {"epoch": seen[entity]}
-    finally:
-        stop.set()
-        await asyncio.wait_for(operator, 30)
     async with PostgresLeaseElector(dsn) as elector:
         records = {r.reconciler_id: r for r in await elector.list_leases()}
     for k in range(SHARDS):
