@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import functools
 import statistics
 import time
 from collections.abc import Callable, Coroutine
@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine
 import prometheus_client
 
 import kopf_reconcile as kr
+from results import result
 
 
 async def bare(entities: list[str], rounds: int, concurrency: int) -> float:
@@ -100,25 +101,25 @@ def main() -> None:
     header = ("concurrency", "bare/s", "loop/s", "ratio", "+metrics/s", "ratio")
     print("{:>11}  {:>10}  {:>10}  {:>6}  {:>10}  {:>6}".format(*header))
     ratios: list[float] = []
-    results: list[dict[str, object]] = []
+    figures: list[Callable[[], None]] = []  # printed after the table
     for concurrency in (1, 8, 64):
         base_runs = runs_of(args.repeat, bare, entities, args.rounds, concurrency)
         plain_runs = runs_of(args.repeat, through_loop, entities, args.rounds, concurrency, False)
         metered = max(runs_of(args.repeat, through_loop, entities, args.rounds, concurrency, True))
         base, plain = max(base_runs), max(plain_runs)
         ratios.append(plain / base)
-        results.append(
-            {
-                "benchmark": "dispatch",
-                "figure": f"no-op reconciles/s at concurrency {concurrency}, Loop vs bare "
-                "asyncio.Queue",
-                "ours": plain_runs,
-                "baseline": base_runs,
-                "unit": "/s",
-                "ratio": "ours/baseline",
-                "target": [">=", 0.5],
-                "extra": {"with metrics (best run) / bare": metered / base},
-            }
+        figures.append(
+            functools.partial(
+                result,
+                "dispatch",
+                f"no-op reconciles/s at concurrency {concurrency}, Loop vs bare asyncio.Queue",
+                ours=plain_runs,
+                baseline=base_runs,
+                unit="/s",
+                ratio="ours/baseline",
+                target=(">=", 0.5),
+                extra={"with metrics (best run) / bare": metered / base},
+            )
         )
         print(
             f"{concurrency:>11}  {base:>10,.0f}  {plain:>10,.0f}  {plain / base:>5.2f}x"
@@ -129,8 +130,8 @@ def main() -> None:
         f"summary: worst ratio {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x "
         f"(target >= 0.5x: {verdict})"
     )
-    for line in results:
-        print("RESULT " + json.dumps(line), flush=True)
+    for figure in figures:
+        figure()
 
 
 if __name__ == "__main__":

@@ -28,12 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import signal
 import time
-from collections.abc import Awaitable, Callable
 
 import aiohttp
-import yaml
 
 from kopf_e2e import (
     BIN,
@@ -42,11 +39,15 @@ from kopf_e2e import (
     SCOPE,
     cluster_process,
     cpu_seconds,
+    create,
     free_port,
     gather_limited,
+    install_devices_crd,
     memory_of,
     operator_env,
     start_operator,
+    stop_operator,
+    until,
 )
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 from results import result
@@ -72,15 +73,7 @@ async def populate(http: aiohttp.ClientSession, namespace: str, devices: int) ->
     url = f"/apis/example.com/v1/namespaces/{namespace}/devices"
 
     async def device(name: str) -> None:
-        body = {
-            "apiVersion": "example.com/v1",
-            "kind": "Device",
-            "metadata": {"name": name},
-            "spec": {"desired": "on"},
-        }
-        async with http.post(url, json=body) as response:
-            assert response.status == 201, await response.text()
-            created = await response.json()
+        created = await create(http, url, name)
         status = {
             "observed": "on",
             "epoch": 0,
@@ -132,14 +125,6 @@ async def health(port: int) -> dict[str, object] | None:
         return None
     report = document.get("reconcilers", {}).get(LEASE)
     return report if isinstance(report, dict) and report.get("running") else None
-
-
-async def until(condition: Callable[[], Awaitable[bool]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not done within {timeout}s")
-        await asyncio.sleep(0.05)
 
 
 async def quiet(pid: int, timeout: float = 120) -> None:
@@ -214,12 +199,7 @@ async def run_phase(
             burst_wall = time.perf_counter() - burst_started - 1.0  # less the quiet second
             burst_cpu = cpu_seconds(pid) - before
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), 30)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        await stop_operator(process)
     return Phase(listing_cpu, listing_wall, rss, idle, burst_cpu, burst_wall, leader)
 
 
@@ -227,10 +207,7 @@ async def main(devices: int, burst: int, idle_seconds: float) -> None:
     async with cluster_process() as cluster, EmbeddedPostgres() as postgres:
         headers = {"User-Agent": DRIVER}
         async with aiohttp.ClientSession(base_url=cluster["url"], headers=headers) as http:
-            crd = yaml.safe_load((ROOT / "crds" / "devices.yaml").read_text())
-            crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-            async with http.post(crds, json=crd) as response:
-                assert response.status == 201, await response.text()
+            await install_devices_crd(http)
             for namespace in ("follower-empty", "follower"):
                 async with http.post(
                     "/api/v1/namespaces", json={"metadata": {"name": namespace}}

@@ -42,6 +42,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -201,12 +202,7 @@ async def run(
             await asyncio.sleep(0.5)  # the echoes of the last status patches, if any
             reconciles = await reconcile_total(metrics_port) - reconciles_before
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+            await stop_operator(process)
     return Outcome(created, stored_after, reported_after, cpu, requests, rss_growth, reconciles)
 
 
@@ -272,7 +268,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def create(http: aiohttp.ClientSession, url: str, name: str) -> None:
+async def create(http: aiohttp.ClientSession, url: str, name: str) -> dict[str, Any]:
+    """A Device ``name`` at ``url`` (its collection), desired ``on``; the created body."""
     body = {
         "apiVersion": "example.com/v1",
         "kind": "Device",
@@ -281,6 +278,26 @@ async def create(http: aiohttp.ClientSession, url: str, name: str) -> None:
     }
     async with http.post(url, json=body) as response:
         assert response.status == 201, await response.text()
+        created: dict[str, Any] = await response.json()
+    return created
+
+
+async def install_devices_crd(http: aiohttp.ClientSession) -> None:
+    """The example's CRD, on the benchmark's fresh cluster."""
+    crd = yaml.safe_load((ROOT / "crds" / "devices.yaml").read_text())
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    async with http.post(crds, json=crd) as response:
+        assert response.status == 201, await response.text()
+
+
+async def stop_operator(process: asyncio.subprocess.Process) -> None:
+    """SIGTERM, then SIGKILL after 30 s; reaped either way."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), 30)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
 
 
 async def stored(pool: asyncpg.Pool, namespace: str, expected: int) -> bool:
@@ -332,11 +349,8 @@ async def main(devices: int, rounds: int, shim_handlers: Path) -> None:
     ]  # fmt: skip
     outcomes: dict[str, list[Outcome]] = {c.name: [] for c in contestants}
     async with cluster_process() as cluster, EmbeddedPostgres() as postgres:
-        crd = yaml.safe_load((ROOT / "crds" / "devices.yaml").read_text())
         async with aiohttp.ClientSession(base_url=cluster["url"]) as http:
-            crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-            async with http.post(crds, json=crd) as response:
-                assert response.status == 201, await response.text()
+            await install_devices_crd(http)
         for round_ in range(rounds):  # alternate who goes first
             for contestant in contestants if round_ % 2 == 0 else contestants[::-1]:
                 dsn = await postgres.create_database()
