@@ -22,7 +22,7 @@ fenced repository that is a :class:`~kopf_reconcile.fencing.protocol.DeadLetterS
   without a letter in the store is dead no longer: another leader saw it succeed (or
   redrove it) since this Loop last led. The load waits first for this Loop's own
   pending writes, so the store it reads has them;
-* the load is bounded by ``load_timeout``: a store that does not answer in time (or
+* the load is bounded by :data:`LOAD_TIMEOUT`: a store that does not answer in time (or
   fails) must not hold a new leader's dispatch back for an outage's length. The Loop
   then leads without them, with an empty dead set (a warning says so): each dead
   letter is retried once, by the resync-all or its next trigger, and is dead again if
@@ -64,18 +64,16 @@ class DurableDeadLetters:
         redrive: Callable[[str], None],
         replace_dead: Callable[[Iterable[str]], object],
         interval: float,
-        load_timeout: float | None = None,
     ) -> None:
         """Create it inside the running event loop; ``redrive`` adds an entity to the queue
-        (a fresh trigger), ``replace_dead`` makes the loaded dead letters its dead set;
-        ``load_timeout`` bounds the load (default :data:`LOAD_TIMEOUT`)."""
+        (a fresh trigger), ``replace_dead`` makes the loaded dead letters its dead set; the
+        load is bounded by :data:`LOAD_TIMEOUT`."""
         self._store = store
         self._name = name
         self._epoch = epoch
         self._redrive = redrive
         self._replace_dead = replace_dead
         self._interval = interval
-        self._load_timeout = LOAD_TIMEOUT if load_timeout is None else load_timeout
         #: Entities with a dead letter in the store, as far as this leader knows (this term).
         self.known: set[str] = set()
         self._writes: asyncio.Queue[tuple[str, str, str | None, int]] = asyncio.Queue()
@@ -174,7 +172,7 @@ class DurableDeadLetters:
         """Make the store's dead letters the queue's dead set; whether they could be read."""
         self.known = set()  # a previous term's knowledge may be stale: the store decides
         try:
-            async with asyncio.timeout(self._load_timeout):
+            async with asyncio.timeout(LOAD_TIMEOUT):
                 if self._writer is not None:
                     await self._writes.join()  # this Loop's own letters reach the store first
                 letters = await self._store.dead_letters()
@@ -185,7 +183,7 @@ class DurableDeadLetters:
                 "leading without them: each of them is retried once, and they are loaded "
                 "again at the next redrive poll",
                 self._name,
-                self._load_timeout,
+                LOAD_TIMEOUT,
                 exc,
             )
             return False

@@ -160,14 +160,6 @@ class DispatchQueue:
     def done_permanent(self, entity: str) -> None:
         self.work_queue.done_permanent(entity, self.now())
 
-    def bury(self, entity: str) -> bool:
-        """Mark dead an entity dead-lettered elsewhere (see :meth:`WorkQueue.bury`)."""
-        queue = self.work_queue
-        ready = queue.ready_count
-        buried = queue.bury(entity)
-        self._made_room(ready - queue.ready_count)
-        return buried
-
     def replace_dead(self, entities: Iterable[str]) -> None:
         """Make the dead set a store's dead letters (see :meth:`WorkQueue.replace_dead`)."""
         self._made_room(self.work_queue.replace_dead(entities))

@@ -440,7 +440,7 @@ class Loop:
                     queue.work_queue.trim()
                 await queue.wait_for_work()
                 continue
-            if self._holder is not None and self._lease_expired():
+            if self._lease_expired():
                 continue  # dispatch closed; the control plane steps down
             entity, since = queue.take()
             await self._process(queue, entity, since, task)
@@ -516,12 +516,9 @@ class Loop:
             )
             return
         cfg = self._config
-        if requeue_after:
-            if self._metrics_enabled:
-                self._metrics.results["requeue_after"].inc()
-        else:
-            if self._metrics_enabled:
-                self._metrics.results["success"].inc()
+        if self._metrics_enabled:
+            self._metrics.results["requeue_after" if requeue_after else "success"].inc()
+        if not requeue_after:
             requeue_after = requeue_jitter(cfg.rng, cfg.interval) if cfg.default_requeue else None
         queue.done_success(entity, requeue_after)
         if self._events is not None:
