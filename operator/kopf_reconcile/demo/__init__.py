@@ -18,9 +18,8 @@ import sys
 from kopf_reconcile.api import ConfigError
 from kopf_reconcile.demo import sharded
 from kopf_reconcile.demo.stack import DemoError
-from kopf_reconcile.demo.story import Demo, Options, Summary
+from kopf_reconcile.demo.story import Demo, Options
 from kopf_reconcile.demo.view import View
-from kopf_reconcile.integration.tables import format_table
 
 __all__ = ["Options", "run"]
 
@@ -46,35 +45,5 @@ def run(options: Options) -> int:
     except DemoError as exc:
         view.note(f"FAILED: {exc}")
         return 1
-    if isinstance(demo, sharded.ShardedDemo):
-        view.block("Summary", sharded.summary_lines(summary, demo.moves, demo.ok()))
-    else:
-        view.block("Summary", summary_lines(summary))
+    view.block("Summary", demo.summary_lines(summary))
     return 0 if demo.ok() else 1
-
-
-def summary_lines(summary: Summary) -> list[str]:
-    times = "; ".join(
-        f"{kind}: {seconds:.2f}s (epoch {old} -> {new})"
-        for kind, seconds, old, new in summary.failovers
-    )
-    rows = [
-        ("objects", summary.objects, ""),
-        ("converged", summary.converged, "must equal objects"),
-        ("failovers", len(summary.failovers), times),
-        ("late writes refused", summary.refused_late,
-         "by the paused leader (its lease check, or the database's answer)"),
-        ("rejected by the database", summary.rejected_by_database,
-         "reached PostgreSQL, changed nothing (the direct write included)"),
-        ("late reconciles cancelled", summary.cancelled, "by the lost lease"),
-        ("stale writes accepted", summary.stale_accepted,
-         "must be 0 (none below an epoch that led the scope)"),
-        ("lost updates", summary.lost_updates, "must be 0"),
-        ("dead-lettered events", summary.dead_lettered_events,
-         "the malformed Device's Warning DeadLettered Event (its count)"),
-        ("dead letter attempts", summary.dead_letter_attempts,
-         "its dead letter in PostgreSQL after both failovers (must be >= 1)"),
-    ]  # fmt: skip
-    lines = format_table(("", "value", "note"), rows)
-    verdict = "every invariant held" if summary.ok() else "AN INVARIANT WAS BROKEN"
-    return [*lines, "", verdict]

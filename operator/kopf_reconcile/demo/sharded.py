@@ -85,6 +85,9 @@ class ShardedDemo(Demo):
 
     audited_scope = None  # every shard's scope
 
+    def summary_lines(self, summary: Summary) -> list[str]:
+        return summary_lines(summary, self.moves, self.ok())
+
     def __init__(self, options: Options, view: View) -> None:
         super().__init__(options, view)
         self.moves = ShardMoves(shards=self.options.shards, replicas=self.options.replicas)
@@ -100,7 +103,6 @@ class ShardedDemo(Demo):
 
     async def _scenes(self) -> None:
         await self._start()
-        self.moves.before = self._holders()
         self._show_holders("shards held per replica (from their /metrics)")
         await self._show_leases()
         await self._create_devices()

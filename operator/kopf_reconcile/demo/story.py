@@ -48,6 +48,8 @@ from kopf_reconcile.api import ConfigError
 from kopf_reconcile.demo.stack import DemoError, Replica, Stack
 from kopf_reconcile.demo.view import View
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.integration.tables import format_table
+from kopf_reconcile.sharding import shard_id
 from kopf_reconcile.testing import audit
 from kopf_reconcile.testing.examples import find_crd, find_handlers
 
@@ -149,6 +151,33 @@ class Demo:
                 if self.options.keep:
                     self.view.note(f"kept {self.stack.workdir} (logs, kubeconfig)")
         return self.summary
+
+    def summary_lines(self, summary: Summary) -> list[str]:
+        """The story's summary table and verdict."""
+        times = "; ".join(
+            f"{kind}: {seconds:.2f}s (epoch {old} -> {new})"
+            for kind, seconds, old, new in summary.failovers
+        )
+        rows = [
+            ("objects", summary.objects, ""),
+            ("converged", summary.converged, "must equal objects"),
+            ("failovers", len(summary.failovers), times),
+            ("late writes refused", summary.refused_late,
+             "by the paused leader (its lease check, or the database's answer)"),
+            ("rejected by the database", summary.rejected_by_database,
+             "reached PostgreSQL, changed nothing (the direct write included)"),
+            ("late reconciles cancelled", summary.cancelled, "by the lost lease"),
+            ("stale writes accepted", summary.stale_accepted,
+             "must be 0 (none below an epoch that led the scope)"),
+            ("lost updates", summary.lost_updates, "must be 0"),
+            ("dead-lettered events", summary.dead_lettered_events,
+             "the malformed Device's Warning DeadLettered Event (its count)"),
+            ("dead letter attempts", summary.dead_letter_attempts,
+             "its dead letter in PostgreSQL after both failovers (must be >= 1)"),
+        ]  # fmt: skip
+        lines = format_table(("", "value", "note"), rows)
+        verdict = "every invariant held" if summary.ok() else "AN INVARIANT WAS BROKEN"
+        return [*lines, "", verdict]
 
     def ok(self) -> bool:
         """Every invariant of the story held."""
@@ -424,11 +453,11 @@ class Demo:
 
     async def _states(self) -> dict[str, dict[str, Any]]:
         assert self._db is not None
-        # The reconciler's scope, or its shards' (``<scope>-shard-<k>``) when it is sharded.
+        # The reconciler's scope, and its shards' when it is sharded.
+        scopes = [SCOPE, *(shard_id(SCOPE, k) for k in range(self.options.shards))]
         rows = await self._db.fetch(
-            "SELECT entity_id, state::text FROM kopf_reconcile_fence "
-            "WHERE scope = $1 OR starts_with(scope, $1 || '-shard-')",
-            SCOPE,
+            "SELECT entity_id, state::text FROM kopf_reconcile_fence WHERE scope = ANY($1)",
+            scopes,
         )
         return {r["entity_id"]: json.loads(r["state"] or "{}") for r in rows}
 
