@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import pytest
 
 import kopf_reconcile as kr
+from kopf_reconcile.cache import ObjectCache
 from kopf_reconcile.testing.real_apiserver import RealClusterError
 
 Tier = TypeVar("Tier", bound=Any)
@@ -71,3 +72,15 @@ async def start_tier(tier: Tier, what: str, skip_variable: str) -> Tier:
         hint = "it is required under CI=true" if in_ci else f"set {skip_variable}=1 to skip it"
         pytest.fail(f"the {what} cannot start ({hint}): {cannot_start}", pytrace=False)
     return tier
+
+
+async def feeding(cache: ObjectCache) -> tuple[asyncio.Task[None], list[str]]:
+    """``cache`` running as a trigger: its task, and the entity ids it emits, in order."""
+    emitted: list[str] = []
+
+    async def emit(request: kr.Request) -> None:
+        emitted.append(request.entity_id)
+
+    task = asyncio.create_task(cache.run(emit))
+    await asyncio.sleep(0)  # running: it takes updates from now on
+    return task, emitted

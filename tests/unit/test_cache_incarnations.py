@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from kopf_reconcile.api import Request
 from kopf_reconcile.cache import ObjectCache
+from support import feeding
 
 
 def body(uid: str, created: str, value: str = "") -> dict[str, Any]:
     meta = {"namespace": "ns", "name": "a", "uid": uid, "creationTimestamp": created}
     return {"metadata": meta, "spec": {"v": value or uid}}
-
-
-async def feeding(cache: ObjectCache) -> tuple[asyncio.Task[None], list[str]]:
-    emitted: list[str] = []
-
-    async def emit(req: Request) -> None:
-        emitted.append(req.entity_id)
-
-    task = asyncio.create_task(cache.run(emit))
-    await asyncio.sleep(0)
-    return task, emitted
 
 
 async def test_a_late_deleted_of_the_old_incarnation_keeps_the_new_one() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-import kopf_reconcile as kr
 from kopf_reconcile.cache import ObjectCache
+from support import feeding
 
 
 def device(name: str, generation: int = 1) -> dict[str, Any]:
@@ -24,15 +24,6 @@ def device(name: str, generation: int = 1) -> dict[str, Any]:
         },
         "spec": {"desired": "on", "ports": [1, 2]},
     }
-
-
-async def feeding(cache: ObjectCache) -> tuple[asyncio.Task[None], list[str]]:
-    requests: list[str] = []
-
-    async def emit(request: kr.Request) -> None:
-        requests.append(request.entity_id)
-
-    return asyncio.create_task(cache.run(emit)), requests
 
 
 async def test_the_cache_keeps_no_reference_to_the_watch_s_body() -> None:
