@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import aiohttp
 import pytest
 
 import kopf_reconcile as kr
@@ -84,3 +85,37 @@ async def feeding(cache: ObjectCache) -> tuple[asyncio.Task[None], list[str]]:
     task = asyncio.create_task(cache.run(emit))
     await asyncio.sleep(0)  # running: it takes updates from now on
     return task, emitted
+
+
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def gadget_crd(group: str, scope: str = "Namespaced") -> dict[str, Any]:
+    """A schemaless kind, Gadget, of ``group``: any body is valid."""
+    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    version = {"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": schema}}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"gadgets.{group}"},
+        "spec": {
+            "group": group,
+            "scope": scope,
+            "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
+            "versions": [version],
+        },
+    }
+
+
+async def install_crd(http: aiohttp.ClientSession, crd: dict[str, Any]) -> None:
+    """Create ``crd`` and wait until its group's first version is served."""
+    async with http.post(CRDS, json=crd) as response:
+        assert response.status == 201, await response.text()
+    spec = crd["spec"]
+    path = f"/apis/{spec['group']}/{spec['versions'][0]['name']}"
+
+    async def served() -> bool:
+        async with http.get(path) as response:
+            return response.status == 200
+
+    await eventually(served, timeout=30, message=f"{path} served")

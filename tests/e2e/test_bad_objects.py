@@ -28,10 +28,9 @@ from operator_e2e import kopf_running
 
 import kopf_reconcile as kr
 from kopf_reconcile.integration import kopf_shim
-from support import eventually
+from support import eventually, gadget_crd, install_crd
 
 GROUP = "badinput.example.com"
-CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 GADGETS = f"/apis/{GROUP}/v1/namespaces/default/gadgets"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 BLOB = 1_000_000  # characters in one string field: the body is just under 1 MiB
@@ -39,43 +38,10 @@ UNICODE = "Grüße, 世界! \U0001f680 \u202eevil\u202c \u0000-free, e\u0301"
 LONGEST = "g" * 253  # the longest object name (a DNS subdomain)
 
 
-def gadget_crd() -> dict[str, Any]:
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"gadgets.{GROUP}"},
-        "spec": {
-            "group": GROUP,
-            "scope": "Namespaced",
-            "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
-            "versions": [
-                {
-                    "name": "v1",
-                    "served": True,
-                    "storage": True,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "x-kubernetes-preserve-unknown-fields": True,
-                        }
-                    },
-                }
-            ],
-        },
-    }
-
-
 @pytest_asyncio.fixture
 async def http(cluster_url: str) -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(base_url=cluster_url) as session:
-        async with session.post(CRDS, json=gadget_crd()) as response:
-            assert response.status == 201, await response.text()
-
-        async def served() -> bool:
-            async with session.get(f"/apis/{GROUP}/v1") as response:
-                return response.status == 200
-
-        await eventually(served, timeout=10, message="gadgets served")
+        await install_crd(session, gadget_crd(GROUP))
         yield session
 
 

@@ -11,10 +11,9 @@ from typing import Any
 import kopf_reconcile as kr
 from kopf_reconcile.events import EventRecorder
 from kopf_reconcile.integration.events import KubernetesEventSink
-from support import eventually
+from support import CRDS, eventually, gadget_crd, install_crd
 
 BIN = Path(sys.executable).parent  # kubectl, from `make tools`
-CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 
 
 async def events_of(kube: Any, namespace: str, name: str) -> list[dict[str, Any]]:
@@ -117,29 +116,6 @@ async def test_a_new_leader_counts_on_the_event_of_the_previous_one(
     assert [(e["count"], e["message"]) for e in found] == [(5, "replica-1: bad spec 1")]
 
 
-def gadget_crd(group: str) -> dict[str, Any]:
-    """A cluster-scoped kind, as operators of cluster-wide resources reconcile."""
-    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"gadgets.{group}"},
-        "spec": {
-            "group": group,
-            "scope": "Cluster",
-            "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
-            "versions": [
-                {
-                    "name": "v1",
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": schema},
-                }
-            ],
-        },
-    }
-
-
 async def test_a_cluster_scoped_objects_events_go_to_default_where_describe_finds_them(
     kube: Any, api: Any
 ) -> None:
@@ -149,14 +125,7 @@ async def test_a_cluster_scoped_objects_events_go_to_default_where_describe_find
     group = f"g{secrets.token_hex(4)}.example.com"
     name = f"gadget-{secrets.token_hex(4)}"
     async with kube.http_session() as http:
-        async with http.post(CRDS, json=gadget_crd(group)) as response:
-            assert response.status == 201, await response.text()
-
-        async def served() -> bool:
-            async with http.get(f"/apis/{group}/v1") as response:
-                return response.status == 200
-
-        await eventually(served, timeout=30, message=f"{group}/v1 served")
+        await install_crd(http, gadget_crd(group, scope="Cluster"))
         body = {"apiVersion": f"{group}/v1", "kind": "Gadget", "metadata": {"name": name}}
         try:
             async with http.post(f"/apis/{group}/v1/gadgets", json=body) as response:
