@@ -339,7 +339,6 @@ class Slot:
     history: ProcessHistory | None = None
     generation: int = 0
     port: int = 0
-    _handing_off: list[str] = dataclasses.field(default_factory=list)
     busy: bool = False  # paused, or being restarted: not a target of other actions
     expected_exit: bool = False
 
@@ -351,10 +350,11 @@ class Slot:
     def alive(self) -> bool:
         return self.process is not None and self.process.returncode is None
 
-    def led(self) -> dict[str, int]:
-        """The scopes this replica's current process says it leads, with their epochs."""
+    def _scan(self) -> tuple[dict[str, int], list[str]]:
+        """From the current process's events: the scopes it leads (with their epochs),
+        and those it is handing off right now."""
         if not self.alive or self.history is None:
-            return {}
+            return {}, []
         last: dict[str, dict[str, Any]] = {}
         handoffs: dict[str, bool] = {}
         for event in read_events(self.history.events):
@@ -365,8 +365,12 @@ class Slot:
                 last[scope] = event
             elif event["event"] in ("handoff", "handed_off"):
                 handoffs[scope] = event["event"] == "handoff"
-        self._handing_off = [scope for scope, now in handoffs.items() if now]
-        return {s: int(e["epoch"]) for s, e in last.items() if e["event"] == "lead"}
+        led = {s: int(e["epoch"]) for s, e in last.items() if e["event"] == "lead"}
+        return led, [scope for scope, now in handoffs.items() if now]
+
+    def led(self) -> dict[str, int]:
+        """The scopes this replica's current process says it leads, with their epochs."""
+        return self._scan()[0]
 
     def leading(self) -> int | None:
         """The highest epoch this replica's current process says it leads at, if any."""
@@ -374,8 +378,7 @@ class Slot:
 
     def handing_off(self) -> list[str]:
         """The scopes (shards) this replica's current process is handing off right now."""
-        self.led()
-        return self._handing_off
+        return self._scan()[1]
 
 
 class Chaos:
@@ -706,10 +709,10 @@ class Chaos:
         target = slot if strike in ("kill_joiner", "pause_joiner") else giver
         if strike is None or target.busy or not target.alive:
             return
-        during = bool(giver.handing_off())
-        self.report.counts["handoff_strike"] += during
+        handing_off = giver.handing_off()
+        self.report.counts["handoff_strike"] += bool(handing_off)
         self.say(
-            f"{giver.name} is handing {giver.handing_off() or 'a shard (just done)'} off: "
+            f"{giver.name} is handing {handing_off or 'a shard (just done)'} off: "
             f"{strike.replace('_joiner', '')} {target.name}"
         )
         if strike.startswith("kill"):
