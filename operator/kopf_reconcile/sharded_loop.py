@@ -271,6 +271,8 @@ class ShardedLoop(Loop):
     # -- the shard count, recorded once per scope ---------------------------------
 
     async def _claim_shard_count(self) -> None:
+        """Record the layout in the base scope, once (a :class:`ShardLayoutError` when it is
+        refused: the caller turns it into :meth:`_layout_refused`)."""
         if self._claimed:
             return
         repo = self._config.fenced_repo
@@ -280,12 +282,7 @@ class ShardedLoop(Loop):
                 return
             if asyncio.get_running_loop().time() < self._layout_retry_at:
                 raise ShardLayoutRefused("the shard layout was refused; waiting to try again")
-            try:
-                await repo.record_shard_count(
-                    self.shards, by_namespace=self._assignment.by_namespace
-                )
-            except ShardLayoutError as exc:
-                raise self._layout_refused(exc) from None
+            await repo.record_shard_count(self.shards, by_namespace=self._assignment.by_namespace)
             self._claimed = True
 
     def _layout_refused(self, exc: ShardLayoutError) -> ShardLayoutRefused:
@@ -492,9 +489,12 @@ class _ShardFence:
 
     def _mine(self, entity_ids: list[str], what: str) -> list[str]:
         """``entity_ids`` of this shard; the others are logged as dropped."""
-        mine = [e for e in entity_ids if self._owner.shard_of(e) == self._shard]
+        mine: list[str] = []
         for entity_id in entity_ids:
-            if self._owner.shard_of(entity_id) != self._shard:
+            home = self._owner.shard_of(entity_id)
+            if home == self._shard:
+                mine.append(entity_id)
+            else:
                 logger.warning(
                     "loop %s: dropped the %s of %r found in shard %d's scope: the entity "
                     "belongs to shard %d (request it again if needed)",
@@ -502,7 +502,7 @@ class _ShardFence:
                     what,
                     entity_id,
                     self._shard,
-                    self._owner.shard_of(entity_id),
+                    home,
                     extra={"controller": self._owner.name},
                 )
         return mine
@@ -533,8 +533,8 @@ class _ShardFence:
         return [letter for letter in letters if letter.entity_id in mine]
 
     async def record_epoch(self, epoch: int, holder: str) -> None:
-        await self._owner._claim_shard_count()
         try:
+            await self._owner._claim_shard_count()
             await self._repo.record_epoch(epoch, holder)
         except ShardLayoutError as exc:
             raise self._owner._layout_refused(exc) from None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import subprocess
@@ -48,6 +49,7 @@ from support import eventually
 BIN = Path(sys.executable).parent
 TABLE = "kopf_reconcile_fence"
 ENTITIES = [f"ns-{i % 4}/dev-{i}" for i in range(40)]
+PAUSE_KEY = 0x6B726573  # the advisory lock a paused reshard waits for
 
 
 def fresh_id() -> str:
@@ -84,6 +86,19 @@ async def rows(dsn: str, table: str, rid: str) -> dict[str, list[tuple[str, int]
     for row in found:
         placed.setdefault(row["entity_id"], []).append((row["scope"], int(row["epoch"])))
     return placed
+
+
+async def stored_states(dsn: str, rid: str) -> dict[tuple[str, str], Any]:
+    """(scope, entity) -> the state document fenced in ``rid``'s shard scopes."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        found = await connection.fetch(
+            f"SELECT scope, entity_id, state::text FROM {TABLE} WHERE starts_with(scope, $1)",
+            f"{rid}-shard-",
+        )
+    finally:
+        await connection.close()
+    return {(row["scope"], row["entity_id"]): json.loads(row["state"]) for row in found}
 
 
 async def test_an_old_layout_shard_is_refused_after_a_reshard_even_after_claiming(
@@ -157,14 +172,14 @@ async def test_reshard_moves_every_row_to_its_new_scope_and_fences_the_old_layou
         # Each entity in exactly one scope, its new shard's, with its state and epoch.
         placed = await rows(dsn, TABLE, rid)
         assert set(placed) == set(ENTITIES)
+        states = await stored_states(dsn, rid)
         moved = 0
         for entity, where in placed.items():
             home = shard_id(rid, new_layout.shard_of(entity))
             epoch, state = before[entity]
             assert where == [(home, epoch)], entity
+            assert states[home, entity] == state, entity
             moved += home != shard_id(rid, old_layout.shard_of(entity))
-            async with PostgresFencedRepository(dsn, scope=home) as reader:
-                assert await reader.get_state(entity) == state
         assert sum(report.moved.values()) == moved
         letters = await rows(dsn, f"{TABLE}_dead_letters", rid)
         assert {e: [s for s, _ in w] for e, w in letters.items()} == {
@@ -288,10 +303,10 @@ async def test_the_reshard_command(dsn: str) -> None:
     rid = fresh_id()
     base, parts = await sharded_repositories(dsn, rid, 4)
     try:
-        await parts[3].record_epoch(7, "a")
+        for part in parts:
+            await part.record_epoch(7, "a")
         for entity in ENTITIES:
             k = ShardAssignment(4).shard_of(entity)
-            await parts[k].record_epoch(7, "a")
             assert await parts[k].apply_fenced(entity, 7, {"on": True})
     finally:
         await base.close()
@@ -393,21 +408,6 @@ async def test_a_new_layout_replica_leads_once_the_reshard_commits_and_an_old_on
         async with PostgresFencedRepository(dsn, scope=rid) as admin:
             report = await admin.reshard(2)
         fence = report.fence_epoch
-        # From the commit on, the old replica never starts leading a shard: any shard it is
-        # seen leading has an epoch from before the fence (a lease taken before the reshard,
-        # whose writes the fence refuses until it steps down).
-        violations: list[tuple[str, int, int]] = []
-
-        async def monitor() -> None:
-            while True:
-                for replica in (old, late):
-                    for k, stats in replica.loop.shard_stats().items():
-                        if stats.is_leader and stats.epoch > fence:
-                            violations.append((replica.name, k, stats.epoch))
-                await asyncio.sleep(0.01)
-
-        monitoring = asyncio.create_task(monitor())
-        feeding.append(monitoring)
         await late.loop.start()
         feeding.append(asyncio.create_task(late.feed_forever()))
 
@@ -421,7 +421,26 @@ async def test_a_new_layout_replica_leads_once_the_reshard_commits_and_an_old_on
         assert old.rejected > 0, "the old leader's writes were refused by the fence"
         await eventually(lambda: old.loop._layout_backoff > 0, timeout=20, message="old refused")
         assert old.loop.held_shards() == [] and late.loop.held_shards() == []
-        assert violations == []
+        # From the commit on, no old-layout replica ever started leading a shard: every
+        # epoch that led a scope is recorded (record_epoch), and none of theirs is above
+        # the fence (a lease taken before the reshard is below it, and its writes are
+        # refused until it steps down).
+        connection = await asyncpg.connect(dsn)
+        try:
+            led_after = await connection.fetch(
+                f"SELECT scope, epoch, holder FROM {TABLE}_leaders "
+                "WHERE starts_with(scope, $1) AND epoch > $2 ORDER BY scope, epoch",
+                f"{rid}-shard-",
+                fence,
+            )
+        finally:
+            await connection.close()
+        old_holders = {old.elector.holder_id, late.elector.holder_id}
+        assert [tuple(row) for row in led_after if row["holder"] in old_holders] == []
+        # (The record is the one the new replica's leading is in.)
+        assert {row["scope"] for row in led_after if row["holder"] == new.elector.holder_id} == {
+            shard_id(rid, k) for k in range(2)
+        }
 
         # Every entity is written in its new shard's scope by the new replica.
         async def written() -> bool:
@@ -469,10 +488,16 @@ async def test_a_redrive_request_during_a_reshard_lands_once_in_the_new_scope(
             assert await parts[0].apply_fenced(entity, 5, {"v": 1})
             assert await parts[0].record_dead_letter(entity, 5, "boom")
         assert await tool.request_redrive(requested_before) == [requested_before]
-        # The reshard pauses in its transaction right after it moved the redrive requests.
+        # The reshard pauses in its transaction right after it moved the redrive requests,
+        # until the test lets it go (it waits for an advisory lock the test holds).
+        await paused.execute("SELECT pg_advisory_lock($1)", PAUSE_KEY)
         await paused.execute(f"""
             CREATE FUNCTION pause_reshard() RETURNS trigger AS $$
-            BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$ LANGUAGE plpgsql;
+            BEGIN
+                PERFORM pg_advisory_lock({PAUSE_KEY});
+                PERFORM pg_advisory_unlock({PAUSE_KEY});
+                RETURN NULL;
+            END $$ LANGUAGE plpgsql;
             CREATE TRIGGER pause_reshard AFTER UPDATE ON {TABLE}_redrives
               FOR EACH STATEMENT EXECUTE FUNCTION pause_reshard();""")
 
@@ -482,19 +507,34 @@ async def test_a_redrive_request_during_a_reshard_lands_once_in_the_new_scope(
 
         resharding = asyncio.create_task(reshard())
 
-        async def sleeping() -> bool:
-            return bool(
-                await paused.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'"
-                )
+        async def blocked_by(pid: int, wait_event: str | None = None) -> list[int]:
+            """The backends of this database waiting for a lock ``pid`` holds."""
+            found = await paused.fetch(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND ($2::text IS NULL OR wait_event = $2) "
+                "AND $1 = ANY(pg_blocking_pids(pid))",
+                pid,
+                wait_event,
             )
+            return [int(row["pid"]) for row in found]
 
-        await eventually(sleeping, message="the reshard pauses in its transaction")
+        reshard_pid: list[int] = []
+
+        async def pausing() -> bool:
+            reshard_pid[:] = await blocked_by(paused.get_server_pid(), "advisory")
+            return len(reshard_pid) == 1
+
+        await eventually(pausing, message="the reshard pauses in its transaction")
         during = asyncio.gather(
             tool.request_redrive(requested_during), tool.request_redrive(requested_before)
         )
-        await asyncio.sleep(0.5)
+
+        async def waiting() -> bool:
+            return len(await blocked_by(reshard_pid[0])) == 2
+
+        await eventually(waiting, message="both redrive requests wait for the reshard's locks")
         assert not during.done(), "a redrive request waits for the reshard in progress"
+        await paused.execute("SELECT pg_advisory_unlock($1)", PAUSE_KEY)
         assert await during == [[requested_during], [requested_before]]
         report = await resharding
         assert report.redrives_moved == 1 and report.duplicates_dropped == 0
@@ -578,13 +618,12 @@ async def test_redrive_requests_takes_and_reshards_together_never_deadlock(dsn: 
         asyncio.create_task(guarded(step))
         for step in (request_all, request_all, request_one, write_old)
     ] + [asyncio.create_task(guarded(take(repository))) for repository in scopes]
-    resharded = 0
     try:
         async with PostgresFencedRepository(dsn, scope=rid) as admin:
-            deadline = asyncio.get_running_loop().time() + 4.0
-            while asyncio.get_running_loop().time() < deadline and not errors:
-                await admin.reshard(layouts[resharded % len(layouts)])
-                resharded += 1
+            for shards in layouts * 3:
+                if errors:
+                    break
+                await admin.reshard(shards)
                 await asyncio.sleep(0.01)
     finally:
         stop.set()
@@ -593,8 +632,7 @@ async def test_redrive_requests_takes_and_reshards_together_never_deadlock(dsn: 
             await repository.close()
         await base.close()
     assert errors == []
-    assert resharded >= 4
-    final = ShardAssignment(layouts[(resharded - 1) % len(layouts)])
+    final = ShardAssignment(layouts[-1])
     requests = await rows(dsn, f"{TABLE}_redrives", rid)
     for entity, where in requests.items():
         assert [s for s, _ in where] == [shard_id(rid, final.shard_of(entity))], entity

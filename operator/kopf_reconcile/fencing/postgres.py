@@ -115,7 +115,7 @@ from kopf_reconcile.api import ConfigError, Duration, positive_seconds
 from kopf_reconcile.closing import AsyncClosing
 from kopf_reconcile.database import Database, qualified_table
 from kopf_reconcile.fencing.protocol import DeadLetter, ShardLayoutError, StaleEpochError
-from kopf_reconcile.sharding import MAX_SHARDS, ShardAssignment, shard_id
+from kopf_reconcile.sharding import MAX_SHARDS, ShardAssignment, shard_id, validate_shards
 from kopf_reconcile.tenancy import Tenancy
 
 __all__ = ["DEFAULT_FENCE_TABLE", "DEFAULT_SCOPE", "PostgresFencedRepository", "ReshardReport"]
@@ -140,6 +140,15 @@ class _Rejected(Exception):
     request whose dead letters moved)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A layout recorded in a base scope: its scope, its lease, its assignment."""
+
+    base_scope: str
+    lease: str  # what the base scope's epochs row must name (layout_lease)
+    assignment: ShardAssignment
+
+
 @dataclasses.dataclass
 class _ShardLayout:
     """The layout a sharded repository runs, shared by it and its shard repositories.
@@ -148,11 +157,7 @@ class _ShardLayout:
     :meth:`~PostgresFencedRepository.record_epoch` checks the base scope against it.
     """
 
-    base_scope: str | None = None
-    lease: str | None = None  # what the base scope's epochs row must name
-    # What a shard scope's epochs row names after a reshard to this layout, after the
-    # shard's lease: ``@shards=N[/by-namespace]`` (see shard_scope_lease).
-    suffix: str | None = None
+    current: _Layout | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,12 +457,10 @@ class PostgresFencedRepository(AsyncClosing):
         repository's shard repositories (:meth:`for_shard`) verify in every
         :meth:`record_epoch`.
         """
-        _check_shard_count(shards)
+        assignment = ShardAssignment(_check_shard_count(shards), by_namespace)
         base = self._bound_to[0] if self._bound_to is not None else self._scope
         lease = layout_lease(base, shards, by_namespace)
-        self._shards_layout.base_scope = self._scope
-        self._shards_layout.lease = lease
-        self._shards_layout.suffix = shard_scope_lease("", shards, by_namespace)
+        self._shards_layout.current = _Layout(self._scope, lease, assignment)
         pool = await self._ready_pool()
         async with pool.acquire() as connection, connection.transaction():
             await self._bound_transaction(connection)
@@ -471,7 +474,7 @@ class PostgresFencedRepository(AsyncClosing):
             raise ShardLayoutError(
                 f"fenced scope {self._scope!r} of {self._table} is recorded for lease "
                 f"{owner!r}, not {lease!r}: the shard layout changed (or the scope was led "
-                f"unsharded). {_reshard_hint(self._scope, lease)}"
+                f"unsharded). {_reshard_hint(self._scope, assignment)}"
             )
 
     async def reshard(
@@ -496,8 +499,7 @@ class PostgresFencedRepository(AsyncClosing):
         not exist, when the scope was never sharded or already has this layout, and when
         an entity has rows (or dead letters) in two shard scopes; nothing changes then.
         """
-        _check_shard_count(shards)
-        target = ShardAssignment(shards, by_namespace)
+        target = ShardAssignment(_check_shard_count(shards), by_namespace)
         if not isinstance(holder, str) or not holder:
             raise ConfigError(f"holder must be a non-empty string, got {holder!r}")
         pool = await self._database.existing_pool()
@@ -545,13 +547,9 @@ class PostgresFencedRepository(AsyncClosing):
         # Every shard scope gets a row to lock (and to fence), then all are locked in
         # scope order, the one order of every transaction that locks several (redrive
         # requests); each lock waits for the writes in flight in its scope.
-        await connection.execute(
-            f"INSERT INTO {self._epochs} (scope, epoch) SELECT unnest($1::text[]), 0 "
-            "ON CONFLICT DO NOTHING",
-            scopes,
-        )
-        await connection.execute(
-            f"SELECT 1 FROM {self._epochs} WHERE scope = ANY($1) ORDER BY scope FOR UPDATE",
+        await connection.execute(self._scope_rows_sql, scopes)
+        locked = await connection.fetch(
+            f"SELECT epoch FROM {self._epochs} WHERE scope = ANY($1) ORDER BY scope FOR UPDATE",
             scopes,
         )
         entities = await connection.fetch(
@@ -563,15 +561,16 @@ class PostgresFencedRepository(AsyncClosing):
             scopes,
         )
         _refuse_duplicates(base, (self._table, self._dead), entities, letters)
-        highest = await connection.fetchval(
-            f"""SELECT GREATEST(
-                (SELECT coalesce(max(epoch), 0) FROM {self._epochs} WHERE scope = ANY($1)),
-                (SELECT coalesce(max(last_epoch), 0) FROM {self._table}
-                  WHERE scope = ANY($1)),
-                (SELECT coalesce(max(epoch), 0) FROM {self._dead} WHERE scope = ANY($1)))""",
-            scopes,
+        # One above every epoch recorded or written in those scopes (all read above, under
+        # the locks that keep them from changing until commit).
+        fence = 1 + max(
+            (
+                *(int(row["epoch"]) for row in locked),
+                *(int(row["last_epoch"]) for row in entities),
+                *(int(row["epoch"]) for row in letters),
+            ),
+            default=0,
         )
-        fence = int(highest) + 1
         _check_epoch(fence)
         await connection.execute(
             f"UPDATE {self._epochs} AS led SET epoch = $3, holder = $4, lease = f.lease "
@@ -581,15 +580,15 @@ class PostgresFencedRepository(AsyncClosing):
             fence,
             holder,
         )
-        moves = _moves(entities, base, target)
-        await self._move_rows(connection, self._table, moves, [])
-        letter_moves = _moves(letters, base, target)
-        await self._move_rows(connection, self._dead, letter_moves, [])
+        # Rows and dead letters have no duplicates (refused above): nothing is merged.
+        moves, _ = await self._move_rows(connection, self._table, entities, base, target)
+        letter_moves, _ = await self._move_rows(connection, self._dead, letters, base, target)
         requests = await connection.fetch(
             f"SELECT scope, entity_id FROM {self._redrives} WHERE scope = ANY($1)", scopes
         )
-        request_moves, requests_merged = _request_moves(requests, base, target)
-        await self._move_rows(connection, self._redrives, request_moves, requests_merged)
+        request_moves, requests_merged = await self._move_rows(
+            connection, self._redrives, requests, base, target
+        )
         await connection.execute(
             f"UPDATE {self._epochs} SET lease = $2 WHERE scope = $1", base, new_lease
         )
@@ -618,14 +617,18 @@ class PostgresFencedRepository(AsyncClosing):
         self,
         connection: asyncpg.Connection,
         table: str,
-        moves: list[tuple[str, str, str]],
-        dropped: list[tuple[str, str]],
-    ) -> None:
-        """Delete ``dropped`` rows, then re-key each moved row ``(old scope, id) -> new scope``.
+        rows: list[asyncpg.Record],
+        base: str,
+        target: ShardAssignment,
+    ) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
+        """Move ``rows`` of ``table`` to their scopes under ``target`` (:func:`_plan_moves`).
 
-        After the drop every id is in one scope, so no re-keyed row meets another. A moved
-        row is updated, not deleted and inserted: a statement that waited for it follows it.
+        The merged rows are deleted first, then each moved row is re-keyed ``(old scope,
+        id) -> new scope``: after the drop every id is in one scope, so no re-keyed row
+        meets another. A moved row is updated, not deleted and inserted: a statement that
+        waited for it follows it. Returns the moves and the merged rows.
         """
+        moves, dropped = _plan_moves(rows, base, target)
         if dropped:
             await connection.execute(
                 f"DELETE FROM {table} AS t USING unnest($1::text[], $2::text[]) AS d(scope, id) "
@@ -642,6 +645,7 @@ class PostgresFencedRepository(AsyncClosing):
                 [entity_id for _, entity_id, _ in moves],
                 [new for _, _, new in moves],
             )
+        return moves, dropped
 
     @property
     def scope(self) -> str:
@@ -721,10 +725,8 @@ class PostgresFencedRepository(AsyncClosing):
         """
         _check_epoch(epoch)
         lease = self._bound_to[0] if self._bound_to is not None else self._scope
-        layout = self._layout_check
-        if layout is not None and (
-            layout.base_scope is None or layout.lease is None or layout.suffix is None
-        ):
+        layout = None if self._layout_check is None else self._layout_check.current
+        if self._layout_check is not None and layout is None:
             raise ShardLayoutError(
                 f"fenced scope {self._scope!r} is a shard's, and the layout its replica runs "
                 "was not recorded (record_shard_count of the base repository): without it, "
@@ -736,18 +738,22 @@ class PostgresFencedRepository(AsyncClosing):
             if layout is not None:
                 # Share-locked until this epoch is recorded: a reshard (which locks the row
                 # exclusively) commits either before this check or after this recording.
-                assert layout.base_scope is not None and layout.lease is not None
-                assert layout.suffix is not None
                 recorded = await connection.fetchval(self._base_layout_sql, layout.base_scope)
                 if recorded != layout.lease:
                     raise ShardLayoutError(
                         f"fenced scope {self._scope!r} cannot be led at epoch {epoch}: its base "
                         f"scope {layout.base_scope!r} records the layout {recorded!r}, and this "
                         f"replica runs {layout.lease!r}. "
-                        f"{_reshard_hint(layout.base_scope, layout.lease)}"
+                        f"{_reshard_hint(layout.base_scope, layout.assignment)}"
                     )
             before = await connection.fetchval(self._led_before_sql, self._scope)
-            qualified = None if layout is None else f"{lease}{layout.suffix}"
+            qualified = (
+                None
+                if layout is None
+                else shard_scope_lease(
+                    lease, layout.assignment.shards, layout.assignment.by_namespace
+                )
+            )
             row = await connection.fetchrow(
                 self._record_sql, self._scope, epoch, lease, holder, qualified
             )
@@ -1031,28 +1037,15 @@ def _side_tables_schema(dead: str, redrives: str, leaders: str) -> list[str]:
     ]
 
 
-def _moves(
-    rows: list[asyncpg.Record], base: str, target: ShardAssignment
-) -> list[tuple[str, str, str]]:
-    """Which rows move where under ``target``: ``(old scope, id, new scope)``.
-
-    Each entity has one row (checked first, :func:`_refuse_duplicates`).
-    """
-    moves: list[tuple[str, str, str]] = []
-    for row in rows:
-        home = shard_id(base, target.shard_of(row["entity_id"]))
-        if row["scope"] != home:
-            moves.append((row["scope"], row["entity_id"], home))
-    return moves
-
-
-def _request_moves(
+def _plan_moves(
     rows: list[asyncpg.Record], base: str, target: ShardAssignment
 ) -> tuple[list[tuple[str, str, str]], list[tuple[str, str]]]:
-    """Which redrive requests move where under ``target``, and which are merged (dropped).
+    """Which rows move where under ``target`` (``(old scope, id, new scope)``), and which
+    are merged (``(scope, id)``, dropped).
 
-    A request carries nothing but its entity: two of one entity (in two scopes) are one
-    request, kept in the entity's new scope.
+    Rows and dead letters have one per entity (checked first, :func:`_refuse_duplicates`).
+    A redrive request carries nothing but its entity: two of one entity (in two scopes)
+    are one request, kept in the entity's new scope.
     """
     by_entity: dict[str, list[str]] = {}
     for row in rows:
@@ -1100,12 +1093,8 @@ def _refuse_duplicates(
     )
 
 
-def _reshard_hint(base_scope: str, lease: str) -> str:
-    """How to move a base scope to ``lease``'s layout: the command, once, with the database."""
-    parsed = parse_layout(lease)
-    if parsed is None:
-        return "A sharded scope cannot be led unsharded."
-    _, assignment = parsed
+def _reshard_hint(base_scope: str, assignment: ShardAssignment) -> str:
+    """How to move a base scope to ``assignment``: the command, once, with the database."""
     flag = " --by-namespace" if assignment.by_namespace else ""
     return (
         f"To change the layout, run `kopf-reconcile reshard --reconciler {base_scope} "
@@ -1115,10 +1104,15 @@ def _reshard_hint(base_scope: str, lease: str) -> str:
     )
 
 
-def _check_shard_count(shards: object) -> None:
+def _check_shard_count(shards: object) -> int:
     """A sharded layout has from 2 to MAX_SHARDS shards (one shard is an unsharded Loop)."""
-    if isinstance(shards, bool) or not isinstance(shards, int) or not 2 <= shards <= MAX_SHARDS:
+    try:
+        count = validate_shards(shards)
+    except ConfigError:
+        count = 0  # refused below, with the range of a sharded layout
+    if count < 2:
         raise ConfigError(f"shards must be an integer from 2 to {MAX_SHARDS}, got {shards!r}")
+    return count
 
 
 def _milliseconds(option: str, value: Duration) -> str:
