@@ -101,7 +101,12 @@ class DispatchQueue:
         while not self.offer(entity, resync=resync):
             room = self._event_loop.create_future()
             waiters.append(room)
-            await room
+            try:
+                await room
+            except asyncio.CancelledError:
+                if room.done() and not room.cancelled():
+                    _wake_one(waiters)  # woken, then cancelled: the room goes to the next
+                raise
 
     def offer(self, entity: str, *, resync: bool = False) -> bool:
         """Add ``entity`` unless it must wait for room (see :meth:`put`); whether it was added."""

@@ -37,6 +37,23 @@ async def test_a_fresh_put_does_not_wait_for_room_taken_by_resync_entities() -> 
     queue.close()
 
 
+async def test_an_emitter_woken_for_room_then_cancelled_passes_the_room_on() -> None:
+    queue = DispatchQueue(
+        backoff_base=0.01, backoff_max=1, rng=random.Random(1), capacity=1, concurrency=1
+    )
+    queue.open()
+    queue.add("a")  # the intake is full
+    first = asyncio.create_task(queue.put("b"))
+    second = asyncio.create_task(queue.put("c"))
+    await asyncio.sleep(0)
+    assert not first.done() and not second.done()
+    queue.take()  # room for one: the first waiter is woken...
+    first.cancel()  # ...and gives up before it runs (an enqueue under a timeout)
+    await asyncio.wait_for(second, 1)  # the next one gets the room
+    assert queue.work_queue.is_ready("c") and not queue.work_queue.is_ready("b")
+    queue.close()
+
+
 def test_an_emitter_offers_the_resync_lane_and_plain_emits_fall_back() -> None:
     async def fresh(req: kr.Request) -> None: ...
 
