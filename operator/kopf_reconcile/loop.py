@@ -153,6 +153,10 @@ class Loop:
         self._tenant_scoped = config.tenancy is Tenancy.TENANT_SCOPED
         self._events: LoopEvents | None = None  # with an event sink (see kopf_reconcile.events)
         self._durable: DurableDeadLetters | None = None  # with a DeadLetterStore repository
+        # While a hand-off waits, a term's first dispatch (after its dead letters load)
+        # waits too: it runs only if the hand-off gives up (see hand_off).
+        self._handing_off = False
+        self._dispatch_deferred = False
 
     # -- public surface --------------------------------------------------------
 
@@ -670,6 +674,9 @@ class Loop:
         assert self._queue is not None
         if self._stopping or not self._is_leader():
             return
+        if self._handing_off:
+            self._dispatch_deferred = True
+            return
         self._queue.open()
         self._queue.add(RESYNC_ALL)  # a new leader re-observes everything
         self._spawn_workers()
@@ -678,6 +685,7 @@ class Loop:
         """Stop dispatching and cancel every reconcile; the ones still running are returned."""
         assert self._queue is not None
         self._queue.close_dispatch()  # a follower's triggers never wait for room
+        self._dispatch_deferred = False
         if self._durable is not None:
             self._durable.lose()
         if self._events is not None:
@@ -701,14 +709,21 @@ class Loop:
         holder, queue = self._holder, self._queue
         if holder is None or queue is None or not holder.leading or self._stopping:
             return
+        # Dispatching already, or not yet (this term's dead letters still load): a hand-off
+        # that gives up restores exactly that, never dispatch before the load.
+        was_dispatching = queue.dispatching
         queue.close_dispatch()
-        # The workers live on (idle); what must end is the reconciles they run. Polled:
-        # a hand-off is rare, and the hot path stays free of it.
-        deadline = queue.now() + grace
-        for _ in range(math.ceil(grace / HAND_OFF_POLL)):
-            if not self._running or not holder.leading or queue.now() >= deadline:
-                break
-            await asyncio.sleep(HAND_OFF_POLL)
+        self._handing_off = True
+        try:
+            # The workers live on (idle); what must end is the reconciles they run. Polled:
+            # a hand-off is rare, and the hot path stays free of it.
+            deadline = queue.now() + grace
+            for _ in range(math.ceil(grace / HAND_OFF_POLL)):
+                if not self._running or not holder.leading or queue.now() >= deadline:
+                    break
+                await asyncio.sleep(HAND_OFF_POLL)
+        finally:
+            self._handing_off = False
         if not holder.leading or self._stopping:
             return
         if self._running:
@@ -720,7 +735,11 @@ class Loop:
                 grace,
                 extra={"controller": self._name},
             )
-            queue.open()
+            if was_dispatching:
+                queue.open()
+            if self._dispatch_deferred:
+                self._dispatch_deferred = False
+                self._dispatch()
             return
         holder.step_down_soon("handing the lease off to another replica")
 

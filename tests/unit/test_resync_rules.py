@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import logging
 import random
+import threading
 
 import pytest
 
@@ -404,3 +405,61 @@ async def test_a_new_leader_whose_store_does_not_answer_leads_without_its_dead_l
             repo.latency = 0  # the store answers again: its letters are loaded late
             await eventually(lambda: repo.loads >= 2 and loop.stats().dead_letters == 2)
             assert runs.count("poison") == 1
+
+
+class GatedDeadLetterRepo(SlowDeadLetterRepo):
+    """Its listing answers only once ``answer`` is set (a store that is slow just now)."""
+
+    def __init__(self, *entity_ids: str) -> None:
+        super().__init__(*entity_ids)
+        self.answer = asyncio.Event()
+        self.answer.set()
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        await self.answer.wait()
+        return await super().dead_letters()
+
+
+async def test_a_hand_off_that_gives_up_during_the_load_does_not_dispatch_before_it() -> None:
+    runs: list[str] = []
+    release = threading.Event()
+
+    def reconcile(req: kr.Request) -> None:  # sync: a thread, which cancelling cannot stop
+        runs.append(req.entity_id)
+        if req.entity_id == "slow":
+            release.wait(10)
+        if req.entity_id == "poison":
+            raise kr.PermanentError("still broken")
+
+    resyncs, leases, repo = Resyncs(), MemoryLeaseStore(), GatedDeadLetterRepo()
+    loop = (
+        kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+        .with_trigger(resyncs)
+        .with_leader(MemoryLeaseElector(leases, kr.LeaseTTL(1)))
+        .with_fenced_repo(repo)
+        .with_reconciler_id("rid")
+        .with_renew_interval(0.1)
+        .with_redrive_interval(0.05)
+        .build()
+    )
+    try:
+        async with loop:
+            await eventually(lambda: loop.stats().is_leader)
+            await loop.enqueue(kr.Request("slow"))
+            await eventually(lambda: "slow" in runs)
+            repo.letters["poison"] = letter("poison")  # dead-lettered by a peer meanwhile
+            repo.answer.clear()  # the next term's load waits
+            leases.expire("rid")  # the lease is lost while slow's thread runs on
+            await eventually(lambda: loop.stats().is_leader and loop.stats().epoch >= 2)
+            resyncs.requests.put_nowait("poison")  # a periodic resync re-observes it
+            resyncs.requests.put_nowait("healthy")
+            await loop.hand_off(grace=0.05)  # gives up: slow still runs
+            assert loop._queue is not None and not loop._queue.dispatching  # not before the load
+            release.set()
+            repo.answer.set()  # the load ends: now dispatch
+            # One worker, one FIFO lane: a poison run would come before healthy's.
+            await eventually(lambda: "healthy" in runs)
+            assert "poison" not in runs, runs
+            assert loop.stats().is_leader
+    finally:
+        release.set()
