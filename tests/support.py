@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
@@ -17,6 +20,7 @@ from kopf_reconcile.testing.real_apiserver import RealClusterError
 
 Tier = TypeVar("Tier", bound=Any)
 
+BIN = Path(sys.executable).parent  # kopf-reconcile, and kubectl from `make tools`
 DEFAULT_TIMEOUT = 10.0
 
 
@@ -119,3 +123,25 @@ async def install_crd(http: aiohttp.ClientSession, crd: dict[str, Any]) -> None:
             return response.status == 200
 
     await eventually(served, timeout=30, message=f"{path} served")
+
+
+async def run_cli(*args: str, dsn: str, via_kubectl: bool = False) -> tuple[int, str, str]:
+    """``kopf-reconcile ARGS`` (or ``kubectl reconcile ARGS``) on database ``dsn``, with no
+    setting of this process's environment: exit status, stdout, stderr."""
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KOPF_RECONCILE_", "POD_", "KUBERNETES_"))
+    }
+    environment["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    environment["KOPF_RECONCILE_DATABASE_URL"] = dsn
+    argv = (
+        [str(BIN / "kubectl"), "reconcile", *args]
+        if via_kubectl
+        else [str(BIN / "kopf-reconcile"), *args]
+    )
+    result = await asyncio.to_thread(
+        subprocess.run,
+        argv, capture_output=True, text=True, timeout=60, env=environment, check=False,
+    )  # fmt: skip
+    return result.returncode, result.stdout, result.stderr

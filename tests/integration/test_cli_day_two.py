@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ import pytest
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.integration.endpoints import Endpoints
-from support import eventually
+from support import eventually, run_cli
 
 BIN = Path(sys.executable).parent
 RID = "devices"
@@ -28,19 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 
 async def kubectl(*args: str, dsn: str) -> tuple[int, str, str]:
-    environment = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KOPF_RECONCILE_", "POD_", "KUBERNETES_"))
-    }
-    environment["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
-    environment["KOPF_RECONCILE_DATABASE_URL"] = dsn
-    result = await asyncio.to_thread(
-        subprocess.run,
-        [str(BIN / "kubectl"), "reconcile", *args],
-        capture_output=True, text=True, timeout=60, env=environment, check=False,
-    )  # fmt: skip
-    return result.returncode, result.stdout, result.stderr
+    return await run_cli(*args, dsn=dsn, via_kubectl=True)
 
 
 def row_of(out: str, *words: str) -> str:

@@ -26,9 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import secrets
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,7 +42,7 @@ from kopf_reconcile.fencing.protocol import ShardLayoutError
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.sharded_loop import ShardedLoop
 from kopf_reconcile.sharding import ShardAssignment, shard_id
-from support import eventually
+from support import eventually, run_cli
 
 BIN = Path(sys.executable).parent
 TABLE = "kopf_reconcile_fence"
@@ -279,26 +277,6 @@ def test_every_entity_ends_in_exactly_the_scope_sharding_assigns(
 # -- the command ---------------------------------------------------------------------------
 
 
-async def command(*args: str, dsn: str, via_kubectl: bool = False) -> tuple[int, str, str]:
-    environment = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KOPF_RECONCILE_", "POD_", "KUBERNETES_"))
-    }
-    environment["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
-    environment["KOPF_RECONCILE_DATABASE_URL"] = dsn
-    argv = (
-        [str(BIN / "kubectl"), "reconcile", *args]
-        if via_kubectl
-        else [str(BIN / "kopf-reconcile"), *args]
-    )
-    result = await asyncio.to_thread(
-        subprocess.run,
-        argv, capture_output=True, text=True, timeout=60, env=environment, check=False,
-    )  # fmt: skip
-    return result.returncode, result.stdout, result.stderr
-
-
 async def test_the_reshard_command(dsn: str) -> None:
     rid = fresh_id()
     base, parts = await sharded_repositories(dsn, rid, 4)
@@ -310,7 +288,7 @@ async def test_the_reshard_command(dsn: str) -> None:
             assert await parts[k].apply_fenced(entity, 7, {"on": True})
     finally:
         await base.close()
-    code, out, err = await command("reshard", "--reconciler", rid, "--shards", "2", dsn=dsn)
+    code, out, err = await run_cli("reshard", "--reconciler", rid, "--shards", "2", dsn=dsn)
     assert code == 0, err
     assert f"{rid}/shards=4 -> {rid}/shards=2, fence epoch 8" in out
     counts = {k: ShardAssignment(2).shard_of(e) for k, e in enumerate(ENTITIES)}
@@ -318,16 +296,16 @@ async def test_the_reshard_command(dsn: str) -> None:
         assert f"shard {k}: {sum(1 for s in counts.values() if s == k)} entities" in out
     assert f"{rid}-shard-2, {rid}-shard-3" in out and "kopf-reconcile leases" in out
     # The same layout again: a configuration error, nothing changed.
-    code, _, err = await command("reshard", "--reconciler", rid, "--shards", "2", dsn=dsn)
+    code, _, err = await run_cli("reshard", "--reconciler", rid, "--shards", "2", dsn=dsn)
     assert code == 2 and "already sharded" in err
-    code, _, err = await command(
+    code, _, err = await run_cli(
         "reshard", "--reconciler", "nothing-here", "--shards", "2", dsn=dsn
     )
     assert code == 2 and "never led nor sharded" in err
-    code, _, err = await command("reshard", "--shards", "2", dsn=dsn)
+    code, _, err = await run_cli("reshard", "--shards", "2", dsn=dsn)
     assert code == 2 and "--reconciler" in err
     if (BIN / "kubectl").exists():  # the kubectl plugin forwards every subcommand
-        code, out, err = await command(
+        code, out, err = await run_cli(
             "reshard", "--reconciler", rid, "--shards", "3", dsn=dsn, via_kubectl=True
         )
         assert code == 0, err
@@ -785,7 +763,7 @@ async def test_the_reshard_command_refuses_bad_counts_alike_and_creates_no_table
     dsn: str,
 ) -> None:
     # An empty database (a wrong URL): nothing is created, and the message says why.
-    code, _, err = await command("reshard", "--reconciler", "devices", "--shards", "3", dsn=dsn)
+    code, _, err = await run_cli("reshard", "--reconciler", "devices", "--shards", "3", dsn=dsn)
     assert code == 2 and "missing" in err and "changed nothing" in err, err
     connection = await asyncpg.connect(dsn)
     try:
@@ -794,13 +772,13 @@ async def test_the_reshard_command_refuses_bad_counts_alike_and_creates_no_table
     finally:
         await connection.close()
     for shards in ("1", "5000"):
-        code, _, err = await command(
+        code, _, err = await run_cli(
             "reshard", "--reconciler", "devices", "--shards", shards, dsn=dsn
         )
         assert code == 2 and f"from 2 to 1024, got {shards}" in err, err
     async with PostgresFencedRepository(dsn) as repository:
         await repository.migrate()
-    code, _, err = await command("reshard", "--reconciler", "never", "--shards", "3", dsn=dsn)
+    code, _, err = await run_cli("reshard", "--reconciler", "never", "--shards", "3", dsn=dsn)
     assert code == 2 and "was never led nor sharded" in err and "None" not in err, err
-    code, out, _ = await command("reshard", "--help", dsn=dsn)
+    code, out, _ = await run_cli("reshard", "--help", dsn=dsn)
     assert "explicit scope" in out
