@@ -7,10 +7,15 @@ still dispatches) is caught: the checker sees two replicas inside one entity.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from kopf_reconcile.fencing.protocol import ShardLayoutError
 from kopf_reconcile.loop import Loop
+from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.testing.simulation import Settings, simulate
+from kopf_reconcile.testing.simulation.stores import FenceStore, StoreRepository
 
 SHARDED_SCHEDULES = 150
 SHARDED = Settings(shards=3)
@@ -59,3 +64,30 @@ def test_sharded_schedules_break_no_invariant() -> None:
         if not (outcome := simulate(seed, SHARDED)).held
     ]
     assert not broken, "\n".join(broken[:3])
+
+
+async def test_the_simulated_store_checks_layouts_as_the_real_one() -> None:
+    async def direct(_: str, effect: Callable[[], object]) -> object:
+        return effect()
+
+    store = FenceStore(clock=lambda: 0.0)
+    base = StoreRepository(store, "a", direct, write_timeout=1.0)
+    base.bind_loop(reconciler_id="writer", tenancy=Tenancy.SINGLE_TENANT)
+    shard = base.for_shard(1)
+    shard.bind_loop(reconciler_id="writer-shard-1", tenancy=Tenancy.SINGLE_TENANT)
+    with pytest.raises(ShardLayoutError, match="layout was not recorded"):
+        await shard.record_epoch(1, "a")
+    await base.record_shard_count(3)
+    await shard.record_epoch(1, "a")
+
+    other = StoreRepository(store, "b", direct, write_timeout=1.0)
+    other.bind_loop(reconciler_id="writer", tenancy=Tenancy.SINGLE_TENANT)
+    with pytest.raises(ShardLayoutError, match="writer/shards=3"):
+        await other.record_shard_count(4)  # another count against the recorded one
+    with pytest.raises(ShardLayoutError, match="writer/shards=3"):
+        await other.record_epoch(1, "b")  # unsharded, against a sharded scope
+
+    store.led["writer"] = (0, "writer/shards=4")  # as a reshard leaves the base scope
+    with pytest.raises(ShardLayoutError, match="records the layout 'writer/shards=4'"):
+        await shard.record_epoch(2, "a")
+    assert store.led["writer-shard-1"][0] == 1  # the refused epoch was not recorded

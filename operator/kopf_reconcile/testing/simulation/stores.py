@@ -12,6 +12,9 @@ virtual loop's), never by a replica's belief:
 * :class:`FenceStore` — per entity the highest epoch applied and the state;
   per scope the highest epoch that led it and the lease that numbers it. A
   write applies only when its epoch is not below either (the scope-wide fence).
+  A sharded reconciler's base scope is "numbered" by its layout
+  (``<id>/shards=N``), and a shard's epoch is recorded only while the base scope
+  still names the layout its replica runs, as the real store's layout check.
 
 Every change is appended to a history (:class:`Granted`, :class:`Led`,
 :class:`Applied`) in the order it took effect; the checker reads nothing else.
@@ -24,8 +27,9 @@ import dataclasses
 import datetime
 from collections.abc import Awaitable, Callable
 
+from kopf_reconcile.api import ConfigError
 from kopf_reconcile.control.epochs import EpochFloor, EpochMemory
-from kopf_reconcile.fencing.protocol import StaleEpochError
+from kopf_reconcile.fencing.protocol import ShardLayoutError, StaleEpochError
 from kopf_reconcile.leader.protocol import (
     LeaseContended,
     LeaseLost,
@@ -236,10 +240,19 @@ class FenceStore:
         self.history.append(Applied(self.clock(), scope, entity_id, epoch, state, writer))
         return True
 
-    def record(self, scope: str, epoch: int, lease: str, holder: str) -> None:
+    def record(
+        self, scope: str, epoch: int, lease: str, holder: str, layout: tuple[str, str] | None = None
+    ) -> None:
+        """Record ``epoch`` as leading ``scope``; ``layout``: (base scope, layout it must name)."""
+        if layout is not None:
+            base, expected = layout
+            named = self.led.get(base, (0, ""))[1]
+            if named != expected:
+                raise ShardLayoutError(f"{base} records the layout {named!r}, not {expected!r}")
         led_epoch, owner = self.led.get(scope, (0, lease))
         if owner != lease:
-            raise RuntimeError(f"scope {scope} is numbered by {owner}, not {lease}")
+            error = ShardLayoutError if "/shards=" in owner + lease else ConfigError
+            raise error(f"scope {scope} is numbered by {owner}, not {lease}")
         if led_epoch > epoch:
             raise StaleEpochError(f"{scope} was led at {led_epoch}; {epoch} cannot lead")
         led_by = self.led_by.get(scope, holder)
@@ -264,6 +277,13 @@ class FenceStore:
         return None
 
 
+@dataclasses.dataclass
+class _LayoutCell:
+    """The layout a sharded repository recorded, shared with its shard repositories."""
+
+    current: tuple[str, str] | None = None  # (base scope, layout)
+
+
 class StoreRepository:
     """A replica's fenced repository over a :class:`FenceStore`; calls go through ``io``."""
 
@@ -280,6 +300,10 @@ class StoreRepository:
         self._write_timeout = write_timeout
         self.scope = "default"
         self._lease = "default"
+        # The layout this repository's shards run (record_shard_count), and in a shard's
+        # repository the base repository's, which its record_epoch verifies.
+        self._layout = _LayoutCell()
+        self._layout_check: _LayoutCell | None = None
 
     def bind_loop(self, *, reconciler_id: str, tenancy: Tenancy) -> None:
         self.scope = self._lease = reconciler_id
@@ -293,7 +317,13 @@ class StoreRepository:
         return bool(accepted)
 
     async def record_epoch(self, epoch: int, holder: str) -> None:
-        await self._io("record", lambda: self.store.record(self.scope, epoch, self._lease, holder))
+        check = self._layout_check
+        if check is not None and check.current is None:
+            raise ShardLayoutError(f"{self.scope} is a shard's, and its layout was not recorded")
+        layout = None if check is None else check.current
+        await self._io(
+            "record", lambda: self.store.record(self.scope, epoch, self._lease, holder, layout)
+        )
 
     async def highest_epoch(self) -> int:
         highest = await self._io("floor", lambda: self.store.highest(self.scope))
@@ -302,9 +332,12 @@ class StoreRepository:
 
     def for_shard(self, shard: int) -> StoreRepository:
         """Shard ``shard``'s repository: the same store; its scope comes from its Loop."""
-        return StoreRepository(self.store, self.writer, self._io, self._write_timeout)
+        sibling = StoreRepository(self.store, self.writer, self._io, self._write_timeout)
+        sibling._layout_check = self._layout
+        return sibling
 
     async def record_shard_count(self, shards: int, *, by_namespace: bool = False) -> None:
         """Record the layout in this scope, as the real store does (its lease names it)."""
         layout = f"{self._lease}/shards={shards}" + ("/by-namespace" if by_namespace else "")
+        self._layout.current = (self.scope, layout)
         await self._io("record", lambda: self.store.record(self.scope, 0, layout, "shards"))
