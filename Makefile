@@ -61,10 +61,11 @@ unit: $(STAMP)
 test: $(STAMP) tools lint real-apiserver pod-tier image
 	$(BIN)/python scripts/run_pytest.py
 
-# Deterministic simulation of replicas under a seeded nemesis (make test runs 1,000 schedules).
+# Deterministic simulation of replicas under a seeded nemesis (make test runs 1,000 schedules,
+# and 150 with SHARDS=3: the writer reconciler in 3 shards handed off between replicas).
 SEEDS ?= 10000
 simulate: $(STAMP)
-	$(BIN)/python -m kopf_reconcile.testing.simulation --seeds $(SEEDS)
+	$(BIN)/python -m kopf_reconcile.testing.simulation --seeds $(SEEDS) --shards $(SHARDS)
 
 # Process chaos: replicas of the example operator as processes, the embedded API server and
 # PostgreSQL, under a seeded nemesis; a summary table per elector (make test runs 20 s of it).

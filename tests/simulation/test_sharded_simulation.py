@@ -15,6 +15,7 @@ from kopf_reconcile.fencing.protocol import ShardLayoutError
 from kopf_reconcile.loop import Loop
 from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.testing.simulation import Settings, simulate
+from kopf_reconcile.testing.simulation.__main__ import main
 from kopf_reconcile.testing.simulation.stores import FenceStore, StoreRepository
 
 SHARDED_SCHEDULES = 150
@@ -91,3 +92,14 @@ async def test_the_simulated_store_checks_layouts_as_the_real_one() -> None:
     with pytest.raises(ShardLayoutError, match="records the layout 'writer/shards=4'"):
         await shard.record_epoch(2, "a")
     assert store.led["writer-shard-1"][0] == 1  # the refused epoch was not recorded
+
+
+def test_the_command_line_explores_sharded_schedules(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--seeds", "2", "--start", "5", "--shards", "3"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary.startswith("2 schedules (seeds 5..6)")
+    assert "3 shard(s), 3 replicas" in summary
+    assert "broken: none" in summary
+    with pytest.raises(SystemExit):
+        main(["--shards", "0"])
+    assert "--shards and --replicas must be at least 1" in capsys.readouterr().err

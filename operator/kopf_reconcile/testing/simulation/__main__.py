@@ -1,5 +1,9 @@
 """Explore many seeded schedules: ``python -m kopf_reconcile.testing.simulation --seeds N``.
 
+``--shards K`` runs the writer reconciler in K shards (one lease and fencing scope each,
+handed off between replicas as they join, crash and rebalance); ``--replicas R`` sets how
+many replicas the nemesis works on.
+
 Prints a progress line now and then, every broken run with its seed and
 schedule, and a summary; exits 1 when any invariant broke.
 """
@@ -11,7 +15,7 @@ import collections
 import sys
 import time
 
-from kopf_reconcile.testing.simulation import simulate
+from kopf_reconcile.testing.simulation import Settings, simulate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,13 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=1000, help="how many schedules")
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--stop-at-first", action="store_true", help="stop at the first break")
+    parser.add_argument("--shards", type=int, default=1, help="shards of the writer reconciler")
+    parser.add_argument("--replicas", type=int, default=Settings.replicas, help="replicas")
     args = parser.parse_args(argv)
+    if args.shards < 1 or args.replicas < 1 or args.seeds < 1:
+        parser.error("--seeds, --shards and --replicas must be at least 1")
+    settings = Settings(shards=args.shards, replicas=args.replicas)
     started = time.monotonic()
     broken: collections.Counter[str] = collections.Counter()
     writes = leaderships = 0
     virtual = 0.0
     for done, seed in enumerate(range(args.start, args.start + args.seeds), start=1):
-        outcome = simulate(seed)
+        outcome = simulate(seed, settings)
         writes += outcome.writes
         leaderships += outcome.leaderships
         virtual += outcome.virtual_seconds
@@ -40,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     print(
         f"{args.seeds} schedules (seeds {args.start}..{args.start + args.seeds - 1}) in "
-        f"{elapsed:.1f}s; {virtual:.0f} virtual seconds; {writes} writes applied; "
+        f"{elapsed:.1f}s; {args.shards} shard(s), {args.replicas} replicas; "
+        f"{virtual:.0f} virtual seconds; {writes} writes applied; "
         f"{leaderships} leaderships; broken: {dict(broken) or 'none'}"
     )
     return 1 if broken else 0
