@@ -288,7 +288,9 @@ async def test_the_reshard_command(dsn: str) -> None:
             assert await parts[k].apply_fenced(entity, 7, {"on": True})
     finally:
         await base.close()
-    code, out, err = await run_cli("reshard", "--reconciler", rid, "--shards", "2", dsn=dsn)
+    code, out, err = await run_cli(
+        "reshard", "--reconciler", rid, "--shards", "2", "--leases", "postgres", dsn=dsn
+    )
     assert code == 0, err
     assert f"{rid}/shards=4 -> {rid}/shards=2, fence epoch 8" in out
     counts = {k: ShardAssignment(2).shard_of(e) for k, e in enumerate(ENTITIES)}
@@ -296,17 +298,27 @@ async def test_the_reshard_command(dsn: str) -> None:
         assert f"shard {k}: {sum(1 for s in counts.values() if s == k)} entities" in out
     assert f"{rid}-shard-2, {rid}-shard-3" in out and "kopf-reconcile leases" in out
     # The same layout again: a configuration error, nothing changed.
-    code, _, err = await run_cli("reshard", "--reconciler", rid, "--shards", "2", dsn=dsn)
+    code, _, err = await run_cli(
+        "reshard", "--reconciler", rid, "--shards", "2", "--leases", "postgres", dsn=dsn
+    )
     assert code == 2 and "already sharded" in err
     code, _, err = await run_cli(
-        "reshard", "--reconciler", "nothing-here", "--shards", "2", dsn=dsn
+        "reshard", "--reconciler", "nothing-here", "--shards", "2", "--leases", "postgres", dsn=dsn
     )
     assert code == 2 and "never led nor sharded" in err
     code, _, err = await run_cli("reshard", "--shards", "2", dsn=dsn)
     assert code == 2 and "--reconciler" in err
     if (BIN / "kubectl").exists():  # the kubectl plugin forwards every subcommand
         code, out, err = await run_cli(
-            "reshard", "--reconciler", rid, "--shards", "3", dsn=dsn, via_kubectl=True
+            "reshard",
+            "--reconciler",
+            rid,
+            "--shards",
+            "3",
+            "--leases",
+            "postgres",
+            dsn=dsn,
+            via_kubectl=True,
         )
         assert code == 0, err
         assert f"{rid}/shards=2 -> {rid}/shards=3" in out
@@ -360,6 +372,83 @@ class Replica:
             await self.loop.stop(timeout=1)
         await self.repo.close()
         await self.elector.close()
+
+
+async def layout_of(dsn: str, rid: str) -> str | None:
+    """The layout the base scope's epochs row records (``<id>/shards=N``)."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        lease: str | None = await connection.fetchval(
+            f"SELECT lease FROM {TABLE}_epochs WHERE scope = $1", rid
+        )
+        return lease
+    finally:
+        await connection.close()
+
+
+async def test_the_reshard_command_refuses_while_a_replica_of_the_old_layout_leads(
+    dsn: str,
+) -> None:
+    # A replica of the old layout that leads but writes nothing is never refused by the
+    # fence: it would go on dispatching its shards' entities beside their new holders.
+    # The command refuses while any shard lease is held, and changes nothing.
+    rid = fresh_id()
+    old = Replica(dsn, rid, "old", 3)
+    feeding: asyncio.Task[None] | None = None
+    try:
+        await old.loop.start()
+        feeding = asyncio.create_task(old.feed_forever())
+        await eventually(
+            lambda: old.loop.held_shards() == [0, 1, 2], timeout=20, message="old leads all"
+        )
+        reshard = ("reshard", "--reconciler", rid, "--shards", "2")
+        code, _, err = await run_cli(*reshard, "--leases", "postgres", dsn=dsn)
+        assert code == 2, err
+        assert f"3 shard lease(s) of {rid} are held (postgres leases)" in err, err
+        assert f"{rid}-shard-0 by {old.elector.holder_id} until " in err, err
+        assert "stop the old layout's replicas" in err and "nothing changed" in err, err
+        assert await layout_of(dsn, rid) == f"{rid}/shards=3"
+        assert old.loop.held_shards() == [0, 1, 2]
+        # Where the leases are is never guessed outside a pod.
+        code, _, err = await run_cli(*reshard, dsn=dsn)
+        assert code == 2 and "--leases kubernetes" in err and "--leases postgres" in err, err
+        # Stopped (its leases released), the old layout lets the reshard through.
+        feeding.cancel()
+        await old.loop.stop(timeout=5)
+        code, out, err = await run_cli(*reshard, "--leases", "postgres", dsn=dsn)
+        assert code == 0, err
+        assert f"no shard lease of {rid} was held (postgres leases)" in out, out
+        assert await layout_of(dsn, rid) == f"{rid}/shards=2"
+    finally:
+        if feeding is not None:
+            feeding.cancel()
+            await asyncio.gather(feeding, return_exceptions=True)
+        await old.close()
+
+
+async def test_the_reshard_command_checks_the_kubernetes_leases(
+    kube: Any, kube_namespace: str, dsn: str
+) -> None:
+    rid = fresh_id()
+    base, _ = await sharded_repositories(dsn, rid, 3)
+    await base.close()
+    elector = kr.KubernetesLeaseElector(
+        namespace=kube_namespace, kubeconfig=kube.kubeconfig, holder_id="old-replica", ttl=30
+    )
+    async with elector:
+        token = await elector.acquire_lease(f"{rid}-shard-1")
+        reshard = ("reshard", "--reconciler", rid, "--shards", "2", "--leases", "kubernetes")
+        where = ("--kubeconfig", kube.kubeconfig, "-n", kube_namespace)
+        code, _, err = await run_cli(*reshard, *where, dsn=dsn)
+        assert code == 2, err
+        assert f"1 shard lease(s) of {rid} are held (kubernetes leases)" in err, err
+        assert f"{rid}-shard-1 by old-replica until " in err, err
+        assert await layout_of(dsn, rid) == f"{rid}/shards=3"
+        await elector.release_lease(token)  # released: free at once
+        code, out, err = await run_cli(*reshard, *where, dsn=dsn)
+    assert code == 0, err
+    assert f"no shard lease of {rid} was held (kubernetes leases)" in out, out
+    assert await layout_of(dsn, rid) == f"{rid}/shards=2"
 
 
 async def test_a_new_layout_replica_leads_once_the_reshard_commits_and_an_old_one_never_again(
@@ -763,7 +852,9 @@ async def test_the_reshard_command_refuses_bad_counts_alike_and_creates_no_table
     dsn: str,
 ) -> None:
     # An empty database (a wrong URL): nothing is created, and the message says why.
-    code, _, err = await run_cli("reshard", "--reconciler", "devices", "--shards", "3", dsn=dsn)
+    code, _, err = await run_cli(
+        "reshard", "--reconciler", "devices", "--shards", "3", "--leases", "postgres", dsn=dsn
+    )
     assert code == 2 and "missing" in err and "changed nothing" in err, err
     connection = await asyncpg.connect(dsn)
     try:
@@ -773,12 +864,21 @@ async def test_the_reshard_command_refuses_bad_counts_alike_and_creates_no_table
         await connection.close()
     for shards in ("1", "5000"):
         code, _, err = await run_cli(
-            "reshard", "--reconciler", "devices", "--shards", shards, dsn=dsn
+            "reshard",
+            "--reconciler",
+            "devices",
+            "--shards",
+            shards,
+            "--leases",
+            "postgres",
+            dsn=dsn,
         )
         assert code == 2 and f"from 2 to 1024, got {shards}" in err, err
     async with PostgresFencedRepository(dsn) as repository:
         await repository.migrate()
-    code, _, err = await run_cli("reshard", "--reconciler", "never", "--shards", "3", dsn=dsn)
+    code, _, err = await run_cli(
+        "reshard", "--reconciler", "never", "--shards", "3", "--leases", "postgres", dsn=dsn
+    )
     assert code == 2 and "was never led nor sharded" in err and "None" not in err, err
     code, out, _ = await run_cli("reshard", "--help", dsn=dsn)
     assert "explicit scope" in out

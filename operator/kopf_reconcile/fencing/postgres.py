@@ -106,7 +106,7 @@ import dataclasses
 import inspect
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import asyncpg
@@ -478,7 +478,12 @@ class PostgresFencedRepository(AsyncClosing):
             )
 
     async def reshard(
-        self, shards: int, *, by_namespace: bool = False, holder: str = "reshard"
+        self,
+        shards: int,
+        *,
+        by_namespace: bool = False,
+        holder: str = "reshard",
+        check: Callable[[str], Awaitable[None]] | None = None,
     ) -> ReshardReport:
         """Change the shard layout recorded in this (base) scope, in one transaction.
 
@@ -495,6 +500,11 @@ class PostgresFencedRepository(AsyncClosing):
         re-keyed, not copied), with its state and ``last_epoch`` (below ``E``); the base
         scope then records the new layout.
 
+        ``check``, when given, is awaited with the reconciler id once the base scope's row
+        is locked and its layout read, before anything changes: no shard epoch can be
+        recorded meanwhile, so what it finds (no old-layout replica leading: the command's
+        lease check) still holds at the commit. What it raises rolls the reshard back.
+
         Creates nothing: raises :class:`~kopf_reconcile.ConfigError` when the tables do
         not exist, when the scope was never sharded or already has this layout, and when
         an entity has rows (or dead letters) in two shard scopes; nothing changes then.
@@ -506,7 +516,7 @@ class PostgresFencedRepository(AsyncClosing):
         try:
             async with pool.acquire() as connection, connection.transaction():
                 await self._bound_transaction(connection)
-                return await self._reshard(connection, target, holder)
+                return await self._reshard(connection, target, holder, check)
         except asyncpg.UndefinedTableError as exc:
             raise ConfigError(
                 f"the fence tables of {self._table} are missing in this database ({exc}): "
@@ -515,7 +525,11 @@ class PostgresFencedRepository(AsyncClosing):
             ) from None
 
     async def _reshard(
-        self, connection: asyncpg.Connection, target: ShardAssignment, holder: str
+        self,
+        connection: asyncpg.Connection,
+        target: ShardAssignment,
+        holder: str,
+        check: Callable[[str], Awaitable[None]] | None,
     ) -> ReshardReport:
         base = self._scope
         recorded = await connection.fetchval(
@@ -538,6 +552,8 @@ class PostgresFencedRepository(AsyncClosing):
         new_lease = layout_lease(reconciler_id, target.shards, target.by_namespace)
         if current == target:
             raise ConfigError(f"fenced scope {base!r} is already sharded as {new_lease!r}")
+        if check is not None:
+            await check(reconciler_id)
         count = max(current.shards, target.shards)
         scopes = [shard_id(base, k) for k in range(count)]
         leases = [
@@ -1097,10 +1113,10 @@ def _reshard_hint(base_scope: str, assignment: ShardAssignment) -> str:
     """How to move a base scope to ``assignment``: the command, once, with the database."""
     flag = " --by-namespace" if assignment.by_namespace else ""
     return (
-        f"To change the layout, run `kopf-reconcile reshard --reconciler {base_scope} "
-        f"--shards {assignment.shards}{flag}` (once): it moves the entities to their new "
-        f"shard scopes and fences every replica of the old layout; until then this replica "
-        f"retries and leads nothing"
+        f"To change the layout, once no replica of the old layout runs, run `kopf-reconcile "
+        f"reshard --reconciler {base_scope} --shards {assignment.shards}{flag} --leases "
+        "kubernetes|postgres` (once): it moves the entities to their new shard scopes and "
+        "fences the old layout; until then this replica retries and leads nothing"
     )
 
 

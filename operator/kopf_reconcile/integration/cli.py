@@ -27,10 +27,12 @@ reporting failures on one line.)
   it leads, failovers in the last hour (from the database's record of each epoch that
   led, else from the Lease), dead letters, and, given the replicas' addresses (``--endpoint``),
   the leader's queued and in-flight reconciles (from ``/healthz``).
-* ``kopf-reconcile reshard --reconciler R --shards M [--by-namespace]`` changes a sharded
-  reconciler's layout in one PostgreSQL transaction: every shard scope is fenced above
-  every epoch it has seen, each entity's rows move to its new shard scope, and the new
-  layout is recorded (``PostgresFencedRepository.reshard``).
+* ``kopf-reconcile reshard --reconciler R --shards M [--by-namespace] --leases STORE``
+  changes a sharded reconciler's layout in one PostgreSQL transaction: once no shard
+  lease of the reconciler is held in STORE (no replica of the old layout leads; it
+  refuses otherwise), every shard scope is fenced above every epoch it has seen, each
+  entity's rows move to its new shard scope, and the new layout is recorded
+  (``PostgresFencedRepository.reshard``).
 
 As ``kubectl-reconcile`` the same commands are a kubectl plugin: ``kubectl reconcile status``.
 
@@ -195,10 +197,11 @@ def _parser() -> argparse.ArgumentParser:
         help="change a sharded reconciler's shard count, in one transaction",
         description=(
             "Move a sharded reconciler's entities to a new shard layout in one PostgreSQL "
-            "transaction: fence every shard scope, old and new, above every epoch it has "
-            "seen (replicas of the old layout are refused from the commit on), move each "
-            "entity's state, dead letter and redrive request to its new shard scope, and "
-            "record the new layout (replicas of it lead from then on)."
+            "transaction: check that no shard lease of the reconciler is held (stop the "
+            "replicas of the old layout first), fence every shard scope, old and new, above "
+            "every epoch it has seen (replicas of the old layout are refused from the commit "
+            "on), move each entity's state, dead letter and redrive request to its new shard "
+            "scope, and record the new layout (replicas of it lead from then on)."
         ),
     )
     reshard.add_argument(
@@ -212,6 +215,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     reshard.add_argument(
         "--by-namespace", action="store_true", help="assign shards by namespace (as the replicas)"
+    )
+    reshard.add_argument(
+        "--leases",
+        choices=[LeaderKind.KUBERNETES.value, LeaderKind.POSTGRES.value],
+        help="where the replicas' leases are, to check that none of the old layout is held "
+        "(default: $KOPF_RECONCILE_LEADER, or kubernetes inside a pod)",
+    )
+    reshard.add_argument("--kubeconfig", help="default: in-cluster, $KUBECONFIG, ~/.kube/config")
+    reshard.add_argument(
+        "-n", "--namespace", help="the Leases' namespace (default: $POD_NAMESPACE or the context's)"
     )
     reshard.add_argument("--table", help="the fence table (default: kopf_reconcile_fence)")
     _database_options(reshard, "default: $KOPF_RECONCILE_DATABASE_URL")
@@ -837,8 +850,10 @@ async def _database_figures(url: str) -> tuple[dict[str, int], dict[str, int]]:
 def _reshard(args: argparse.Namespace) -> int:
     _quiet_libraries()
     url = _required_database(args, "reshard")
+    config = Settings.load(database_url=url)
+    leases = _reshard_lease_store(args, config)
     try:
-        report = asyncio.run(_run_reshard(url, args))
+        report = asyncio.run(_run_reshard(url, args, leases, config))
     except ConfigError:
         raise  # a refusal (never sharded, same layout, no tables, duplicates): exit status 2
     except Exception as exc:
@@ -866,8 +881,9 @@ def _reshard(args: argparse.Namespace) -> int:
         )
     )
     print(
-        f"every shard scope now records epoch {report.fence_epoch}: writes of replicas of the "
-        "old layout are refused, and they lead no shard again; roll them to the new layout"
+        f"no shard lease of {report.reconciler_id} was held ({leases.value} leases); every "
+        f"shard scope now records epoch {report.fence_epoch}: writes of replicas of the old "
+        "layout are refused, and they lead no shard again"
     )
     if report.old_shards > report.new_shards:
         gone = range(report.new_shards, report.old_shards)
@@ -881,12 +897,63 @@ def _reshard(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_reshard(url: str, args: argparse.Namespace) -> Any:
+def _reshard_lease_store(args: argparse.Namespace, config: Settings) -> LeaderKind:
+    """Where the replicas' leases are: ``--leases``, else the configured elector."""
+    if args.leases is not None:
+        return LeaderKind(args.leases)
+    kind = config.leader if config.leader is not LeaderKind.AUTO or config.in_cluster else None
+    if kind in (LeaderKind.KUBERNETES, LeaderKind.POSTGRES):
+        return kind
+    raise ConfigError(
+        "reshard: say where the replicas' leases are, to check that no replica of the old "
+        "layout still leads a shard: --leases kubernetes (Lease objects; -n NAMESPACE) or "
+        "--leases postgres (the database's lease table); nothing changed"
+    )
+
+
+async def _run_reshard(
+    url: str, args: argparse.Namespace, leases: LeaderKind, config: Settings
+) -> Any:
     from kopf_reconcile.fencing.postgres import DEFAULT_FENCE_TABLE, PostgresFencedRepository
+
+    async def no_shard_lease_held(reconciler_id: str) -> None:
+        # Runs while the reshard holds the base scope's row: no shard epoch can be recorded
+        # until it commits, and then only under the new layout. So a replica of the old
+        # layout that leads no shard now never leads one again. One that leads (its lease
+        # is live) would go on dispatching its shards' entities, which the new layout gives
+        # to other shards, beside their new holders: refuse.
+        if leases is LeaderKind.KUBERNETES:
+            namespace = args.namespace or config.pod_namespace
+            records = await _kubernetes_leases(args.kubeconfig, namespace, False)
+        else:
+            records = await _postgres_leases(url)
+        now = datetime.datetime.now(datetime.UTC)
+        held = [
+            record
+            for entry in shard_leases.group(records)
+            if entry.reconciler_id == reconciler_id
+            for _, record in sorted(entry.shards.items())
+            if record.holder_id and (record.expires_at is None or record.expires_at > now)
+        ]
+        if held:
+            which = ", ".join(
+                f"{r.reconciler_id} by {r.holder_id} until {_when(r.expires_at)}" for r in held
+            )
+            raise ConfigError(
+                escape_terminal(
+                    f"reshard: {len(held)} shard lease(s) of {reconciler_id} are held "
+                    f"({leases.value} leases): {which}. A replica of the old layout may "
+                    "still lead them, and would go on reconciling their entities beside the "
+                    "new layout's holders: stop the old layout's replicas (or wait until "
+                    "these leases expire), then run the command again; nothing changed"
+                )
+            )
 
     table = args.table or DEFAULT_FENCE_TABLE
     async with PostgresFencedRepository(url, table, scope=args.reconciler) as repository:
-        return await repository.reshard(args.shards, by_namespace=args.by_namespace)
+        return await repository.reshard(
+            args.shards, by_namespace=args.by_namespace, check=no_shard_lease_held
+        )
 
 
 async def _leader_queues(endpoints: Sequence[str]) -> dict[str, dict[str, Any]]:
