@@ -277,9 +277,22 @@ def test_every_entity_ends_in_exactly_the_scope_sharding_assigns(
 # -- the command ---------------------------------------------------------------------------
 
 
+async def leases_left(dsn: str, rid: str, shards: int) -> None:
+    """The shard leases a stopped replica leaves in PostgreSQL: recorded, released."""
+    async with PostgresLeaseElector(dsn, holder_id="stopped-replica") as elector:
+        for k in range(shards):
+            await elector.release_lease(await elector.acquire_lease(shard_id(rid, k)))
+
+
 async def test_the_reshard_command(dsn: str) -> None:
     rid = fresh_id()
     base, parts = await sharded_repositories(dsn, rid, 4)
+    code, _, err = await run_cli(
+        "reshard", "--reconciler", rid, "--shards", "2", "--leases", "postgres", dsn=dsn
+    )
+    # No lease record of its shards there: they are elsewhere, and nothing is checked blind.
+    assert code == 2 and f"no shard lease of {rid} among the postgres leases" in err, err
+    await leases_left(dsn, rid, 4)
     try:
         for part in parts:
             await part.record_epoch(7, "a")
@@ -444,6 +457,9 @@ async def test_the_reshard_command_checks_the_kubernetes_leases(
         assert f"1 shard lease(s) of {rid} are held (kubernetes leases)" in err, err
         assert f"{rid}-shard-1 by old-replica until " in err, err
         assert await layout_of(dsn, rid) == f"{rid}/shards=3"
+        code, _, err = await run_cli(*reshard, "--kubeconfig", kube.kubeconfig, dsn=dsn)
+        assert code == 2, err  # the context's namespace has none of its leases
+        assert f"no shard lease of {rid} among the kubernetes leases in the context's" in err
         await elector.release_lease(token)  # released: free at once
         code, out, err = await run_cli(*reshard, *where, dsn=dsn)
     assert code == 0, err

@@ -890,8 +890,7 @@ def _reshard(args: argparse.Namespace) -> int:
         unused = ", ".join(f"{report.reconciler_id}-shard-{k}" for k in gone)
         print(
             escape_terminal(
-                f"leases no longer used: {unused}; delete them once no replica of the old "
-                "layout runs (`kopf-reconcile leases` lists them)"
+                f"leases no longer used: {unused}; delete them (`kopf-reconcile leases` lists them)"
             )
         )
     return 0
@@ -922,16 +921,28 @@ async def _run_reshard(
         # layout that leads no shard now never leads one again. One that leads (its lease
         # is live) would go on dispatching its shards' entities, which the new layout gives
         # to other shards, beside their new holders: refuse.
+        where = ""
         if leases is LeaderKind.KUBERNETES:
             namespace = args.namespace or config.pod_namespace
             records = await _kubernetes_leases(args.kubeconfig, namespace, False)
+            where = f" in namespace {namespace}" if namespace else " in the context's namespace"
         else:
             records = await _postgres_leases(url)
+        mine = [e for e in shard_leases.group(records) if e.reconciler_id == reconciler_id]
+        if not mine:  # a sharded reconciler that led leaves its lease records: look elsewhere
+            raise ConfigError(
+                escape_terminal(
+                    f"reshard: no shard lease of {reconciler_id} among the {leases.value} "
+                    f"leases{where}, though its scope was led sharded: the replicas' leases "
+                    "are elsewhere, so whether one still leads cannot be checked; name their "
+                    "store (--leases kubernetes -n NAMESPACE, or --leases postgres); "
+                    "nothing changed"
+                )
+            )
         now = datetime.datetime.now(datetime.UTC)
         held = [
             record
-            for entry in shard_leases.group(records)
-            if entry.reconciler_id == reconciler_id
+            for entry in mine
             for _, record in sorted(entry.shards.items())
             if record.holder_id and (record.expires_at is None or record.expires_at > now)
         ]
