@@ -109,9 +109,7 @@ def view_from_records(
     holders: dict[int, str] = {}
     prefix = member_id(reconciler_id, 0)[:-1]
     for record in records:
-        if not record.holder_id:
-            continue
-        if record.expires_at is not None and record.expires_at <= now:
+        if not record.held_at(now):
             continue
         name = record.reconciler_id
         if name in shard_ids:

@@ -900,9 +900,11 @@ def _reshard_lease_store(args: argparse.Namespace, config: Settings) -> LeaderKi
     """Where the replicas' leases are: ``--leases``, else the configured elector."""
     if args.leases is not None:
         return LeaderKind(args.leases)
-    kind = config.leader if config.leader is not LeaderKind.AUTO or config.in_cluster else None
-    if kind in (LeaderKind.KUBERNETES, LeaderKind.POSTGRES):
-        return kind
+    # `auto` is resolved only inside a pod: elsewhere it picks PostgreSQL whenever a
+    # database URL is given, wherever the replicas' leases are.
+    resolved = config.leader is not LeaderKind.AUTO or config.in_cluster
+    if resolved and config.leader_kind in (LeaderKind.KUBERNETES, LeaderKind.POSTGRES):
+        return config.leader_kind
     raise ConfigError(
         "reshard: say where the replicas' leases are, to check that no replica of the old "
         "layout still leads a shard: --leases kubernetes (Lease objects; -n NAMESPACE) or "
@@ -944,7 +946,7 @@ async def _run_reshard(
             record
             for entry in mine
             for _, record in sorted(entry.shards.items())
-            if record.holder_id and (record.expires_at is None or record.expires_at > now)
+            if record.held_at(now)
         ]
         if held:
             which = ", ".join(

@@ -118,6 +118,11 @@ class LeaseRecord:
     renewed_at: datetime.datetime | None
     expires_at: datetime.datetime | None
 
+    def held_at(self, now: datetime.datetime) -> bool:
+        """Whether a holder has it at ``now``: named, and not expired by then (a store that
+        gives no expiry is taken at its word)."""
+        return bool(self.holder_id) and (self.expires_at is None or self.expires_at > now)
+
 
 @runtime_checkable
 class LeaderElector(Protocol):
