@@ -287,13 +287,13 @@ async def leases_left(dsn: str, rid: str, shards: int) -> None:
 async def test_the_reshard_command(dsn: str) -> None:
     rid = fresh_id()
     base, parts = await sharded_repositories(dsn, rid, 4)
-    code, _, err = await run_cli(
-        "reshard", "--reconciler", rid, "--shards", "2", "--leases", "postgres", dsn=dsn
-    )
-    # No lease record of its shards there: they are elsewhere, and nothing is checked blind.
-    assert code == 2 and f"no shard lease of {rid} among the postgres leases" in err, err
-    await leases_left(dsn, rid, 4)
     try:
+        code, _, err = await run_cli(
+            "reshard", "--reconciler", rid, "--shards", "2", "--leases", "postgres", dsn=dsn
+        )
+        # No lease record of its shards there: they are elsewhere, nothing is checked blind.
+        assert code == 2 and f"no shard lease of {rid} among the postgres leases" in err, err
+        await leases_left(dsn, rid, 4)
         for part in parts:
             await part.record_epoch(7, "a")
         for entity in ENTITIES:
@@ -387,12 +387,12 @@ class Replica:
         await self.elector.close()
 
 
-async def layout_of(dsn: str, rid: str) -> str | None:
-    """The layout the base scope's epochs row records (``<id>/shards=N``)."""
+async def scope_lease(dsn: str, scope: str) -> str | None:
+    """The lease a scope's epochs row names: a base scope's names its layout (``<id>/shards=N``)."""
     connection = await asyncpg.connect(dsn)
     try:
         lease: str | None = await connection.fetchval(
-            f"SELECT lease FROM {TABLE}_epochs WHERE scope = $1", rid
+            f"SELECT lease FROM {TABLE}_epochs WHERE scope = $1", scope
         )
         return lease
     finally:
@@ -420,7 +420,7 @@ async def test_the_reshard_command_refuses_while_a_replica_of_the_old_layout_lea
         assert f"3 shard lease(s) of {rid} are held (postgres leases)" in err, err
         assert f"{rid}-shard-0 by {old.elector.holder_id} until " in err, err
         assert "stop the old layout's replicas" in err and "nothing changed" in err, err
-        assert await layout_of(dsn, rid) == f"{rid}/shards=3"
+        assert await scope_lease(dsn, rid) == f"{rid}/shards=3"
         assert old.loop.held_shards() == [0, 1, 2]
         # Where the leases are is never guessed outside a pod.
         code, _, err = await run_cli(*reshard, dsn=dsn)
@@ -431,7 +431,7 @@ async def test_the_reshard_command_refuses_while_a_replica_of_the_old_layout_lea
         code, out, err = await run_cli(*reshard, "--leases", "postgres", dsn=dsn)
         assert code == 0, err
         assert f"no shard lease of {rid} was held (postgres leases)" in out, out
-        assert await layout_of(dsn, rid) == f"{rid}/shards=2"
+        assert await scope_lease(dsn, rid) == f"{rid}/shards=2"
     finally:
         if feeding is not None:
             feeding.cancel()
@@ -456,7 +456,7 @@ async def test_the_reshard_command_checks_the_kubernetes_leases(
         assert code == 2, err
         assert f"1 shard lease(s) of {rid} are held (kubernetes leases)" in err, err
         assert f"{rid}-shard-1 by old-replica until " in err, err
-        assert await layout_of(dsn, rid) == f"{rid}/shards=3"
+        assert await scope_lease(dsn, rid) == f"{rid}/shards=3"
         code, _, err = await run_cli(*reshard, "--kubeconfig", kube.kubeconfig, dsn=dsn)
         assert code == 2, err  # the context's namespace has none of its leases
         assert f"no shard lease of {rid} among the kubernetes leases in the context's" in err
@@ -464,7 +464,7 @@ async def test_the_reshard_command_checks_the_kubernetes_leases(
         code, out, err = await run_cli(*reshard, *where, dsn=dsn)
     assert code == 0, err
     assert f"no shard lease of {rid} was held (kubernetes leases)" in out, out
-    assert await layout_of(dsn, rid) == f"{rid}/shards=2"
+    assert await scope_lease(dsn, rid) == f"{rid}/shards=2"
 
 
 async def test_a_new_layout_replica_leads_once_the_reshard_commits_and_an_old_one_never_again(
@@ -788,12 +788,7 @@ async def test_a_previous_release_replica_never_leads_a_resharded_shard(dsn: str
             assert await new[home].apply_fenced(entity, fence + 1, {"by": "new"})
         finally:
             await new_base.close()
-        assert (
-            await connection.fetchval(
-                f"SELECT lease FROM {TABLE}_epochs WHERE scope = $1", shard_id(rid, 0)
-            )
-            == f"{shard_id(rid, 0)}@shards=3"
-        )
+        assert await scope_lease(dsn, shard_id(rid, 0)) == f"{shard_id(rid, 0)}@shards=3"
         epochs = dict(
             await connection.fetch(
                 f"SELECT scope, epoch FROM {TABLE}_epochs WHERE starts_with(scope, $1)",
