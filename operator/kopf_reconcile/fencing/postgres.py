@@ -501,9 +501,10 @@ class PostgresFencedRepository(AsyncClosing):
         scope then records the new layout.
 
         ``check``, when given, is awaited with the reconciler id once the base scope's row
-        is locked and its layout read, before anything changes: no shard epoch can be
-        recorded meanwhile, so what it finds (no old-layout replica leading: the command's
-        lease check) still holds at the commit. What it raises rolls the reshard back.
+        and every shard scope's row are locked, before anything changes: no shard epoch can
+        be recorded meanwhile, so what it finds (no old-layout replica leading: the
+        command's lease check) still holds at the commit. What it raises rolls the reshard
+        back.
 
         Creates nothing: raises :class:`~kopf_reconcile.ConfigError` when the tables do
         not exist, when the scope was never sharded or already has this layout, and when
@@ -552,8 +553,6 @@ class PostgresFencedRepository(AsyncClosing):
         new_lease = layout_lease(reconciler_id, target.shards, target.by_namespace)
         if current == target:
             raise ConfigError(f"fenced scope {base!r} is already sharded as {new_lease!r}")
-        if check is not None:
-            await check(reconciler_id)
         count = max(current.shards, target.shards)
         scopes = [shard_id(base, k) for k in range(count)]
         leases = [
@@ -568,6 +567,11 @@ class PostgresFencedRepository(AsyncClosing):
             f"SELECT epoch FROM {self._epochs} WHERE scope = ANY($1) ORDER BY scope FOR UPDATE",
             scopes,
         )
+        # Checked once every row an epoch recording locks is held here: a recording of this
+        # release (base row) or of one without the layout check (shard row only) either
+        # committed before, under a lease the check then sees, or waits for the commit.
+        if check is not None:
+            await check(reconciler_id)
         entities = await connection.fetch(
             f"SELECT scope, entity_id, last_epoch FROM {self._table} WHERE scope = ANY($1)",
             scopes,
