@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from hypothesis import strategies as st
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.fencing.protocol import ShardLayoutError
+from kopf_reconcile.leader import kubernetes as kubernetes_leases
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.sharded_loop import ShardedLoop
 from kopf_reconcile.sharding import ShardAssignment, shard_id
@@ -417,6 +420,7 @@ async def test_the_reshard_command_refuses_while_a_replica_of_the_old_layout_lea
         reshard = ("reshard", "--reconciler", rid, "--shards", "2")
         code, _, err = await run_cli(*reshard, "--leases", "postgres", dsn=dsn)
         assert code == 2, err
+        assert "watching" in err, err  # held leases are watched for renewals first
         assert f"3 shard lease(s) of {rid} are held (postgres leases)" in err, err
         assert f"{rid}-shard-0 by {old.elector.holder_id} until " in err, err
         assert "stop the old layout's replicas" in err and "nothing changed" in err, err
@@ -439,30 +443,53 @@ async def test_the_reshard_command_refuses_while_a_replica_of_the_old_layout_lea
         await old.close()
 
 
-async def test_the_reshard_command_checks_the_kubernetes_leases(
-    kube: Any, kube_namespace: str, dsn: str
+async def test_the_reshard_command_checks_the_kubernetes_leases_without_comparing_clocks(
+    kube: Any, kube_namespace: str, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The holder's clock lags a minute: every renewTime it writes says its lease expired
+    # long ago. Still renewing, it leads, and the command sees the renewals, not the times.
+    lagging = kubernetes_leases._wall_clock() - datetime.timedelta(minutes=1)
+    started = time.monotonic()
+    monkeypatch.setattr(
+        kubernetes_leases,
+        "_wall_clock",
+        lambda: lagging + datetime.timedelta(seconds=time.monotonic() - started),
+    )
     rid = fresh_id()
     base, _ = await sharded_repositories(dsn, rid, 3)
     await base.close()
     elector = kr.KubernetesLeaseElector(
-        namespace=kube_namespace, kubeconfig=kube.kubeconfig, holder_id="old-replica", ttl=30
+        namespace=kube_namespace, kubeconfig=kube.kubeconfig, holder_id="old-replica", ttl=2
     )
+
+    async def renew_forever(token: Any) -> None:
+        while True:
+            await asyncio.sleep(0.3)
+            await elector.renew_lease(token)
+
     async with elector:
         token = await elector.acquire_lease(f"{rid}-shard-1")
-        reshard = ("reshard", "--reconciler", rid, "--shards", "2", "--leases", "kubernetes")
-        where = ("--kubeconfig", kube.kubeconfig, "-n", kube_namespace)
-        code, _, err = await run_cli(*reshard, *where, dsn=dsn)
-        assert code == 2, err
-        assert f"1 shard lease(s) of {rid} are held (kubernetes leases)" in err, err
-        assert f"{rid}-shard-1 by old-replica until " in err, err
-        assert await scope_lease(dsn, rid) == f"{rid}/shards=3"
-        code, _, err = await run_cli(*reshard, "--kubeconfig", kube.kubeconfig, dsn=dsn)
-        assert code == 2, err  # the context's namespace has none of its leases
-        assert f"no shard lease of {rid} among the kubernetes leases in the context's" in err
-        await elector.release_lease(token)  # released: free at once
+        renewing = asyncio.create_task(renew_forever(token))
+        try:
+            reshard = ("reshard", "--reconciler", rid, "--shards", "2", "--leases", "kubernetes")
+            where = ("--kubeconfig", kube.kubeconfig, "-n", kube_namespace)
+            code, _, err = await run_cli(*reshard, *where, dsn=dsn)
+            assert code == 2, err
+            assert "watching" in err, err
+            assert f"1 shard lease(s) of {rid} are held (kubernetes leases)" in err, err
+            assert f"{rid}-shard-1 by old-replica until " in err, err
+            assert await scope_lease(dsn, rid) == f"{rid}/shards=3"
+            code, _, err = await run_cli(*reshard, "--kubeconfig", kube.kubeconfig, dsn=dsn)
+            assert code == 2, err  # the context's namespace has none of its leases
+            assert f"no shard lease of {rid} among the kubernetes leases in the context's" in err
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+        # Its holder gone without releasing it (a crash): unrenewed for its whole duration,
+        # the lease no longer counts, and the reshard goes through.
         code, out, err = await run_cli(*reshard, *where, dsn=dsn)
     assert code == 0, err
+    assert "watching" in err, err
     assert f"no shard lease of {rid} was held (kubernetes leases)" in out, out
     assert await scope_lease(dsn, rid) == f"{rid}/shards=2"
 
@@ -742,6 +769,42 @@ def previous_release_record_sql() -> str:
          WHERE led.lease IS NULL OR led.lease = EXCLUDED.lease
         RETURNING epoch, holder
     """
+
+
+async def test_no_epoch_of_either_release_is_recorded_while_the_reshard_checks(dsn: str) -> None:
+    # The check sees every lease that led until the commit: while it runs, a replica of the
+    # previous release (which locks only its shard's row) cannot record an epoch either.
+    rid = fresh_id()
+    base, parts = await sharded_repositories(dsn, rid, 3)
+    await base.close()
+    outcomes: dict[str, str] = {}
+
+    async def check(reconciler_id: str) -> None:
+        connection = await asyncpg.connect(dsn)
+        try:
+            await connection.execute("SET lock_timeout = '300ms'")
+            for release, record in (
+                ("previous", previous_release_record_sql()),
+                ("this", "SELECT 1 FROM " + TABLE + "_epochs WHERE scope = $1 FOR SHARE"),
+            ):
+                scope = shard_id(reconciler_id, 0) if release == "previous" else reconciler_id
+                args = (scope, 9, scope, "late") if release == "previous" else (scope,)
+                try:
+                    await connection.fetchrow(record, *args)
+                    outcomes[release] = "recorded"
+                except asyncpg.LockNotAvailableError:
+                    outcomes[release] = "waited"
+        finally:
+            await connection.close()
+
+    try:
+        async with PostgresFencedRepository(dsn, scope=rid) as admin:
+            report = await admin.reshard(2, check=check)
+        assert outcomes == {"previous": "waited", "this": "waited"}
+        assert report.fence_epoch == 1
+    finally:
+        for part in parts:
+            await part.close()
 
 
 async def test_a_previous_release_replica_never_leads_a_resharded_shard(dsn: str) -> None:

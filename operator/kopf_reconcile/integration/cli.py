@@ -61,6 +61,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -912,17 +913,36 @@ def _reshard_lease_store(args: argparse.Namespace, config: Settings) -> LeaderKi
     )
 
 
+WATCH_MARGIN = 1.1  # a lease is watched this many of its durations (clock rates differ)
+WATCH_ROUNDS = 3  # new holders appearing while held ones are watched: refuse after this many
+
+
+class _LeasesToWatch(Exception):
+    """Held shard leases not yet seen unrenewed for a whole duration: watch, then retry."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"watch the held shard leases for {seconds:.1f}s")
+        self.seconds = seconds
+
+
 async def _run_reshard(
     url: str, args: argparse.Namespace, leases: LeaderKind, config: Settings
 ) -> Any:
     from kopf_reconcile.fencing.postgres import DEFAULT_FENCE_TABLE, PostgresFencedRepository
 
+    # Each held shard lease as first seen: (holder, epoch, renewal) and when (this
+    # machine's monotonic clock). Clocks of two machines are never compared: a lease's
+    # expiry is written by its holder's clock (Kubernetes) or the database's, so a held
+    # lease counts as given up only once it went unrenewed for its whole duration as
+    # measured here, as client-go's elector decides when it may take one.
+    first_seen: dict[str, tuple[tuple[str, int, Any], float]] = {}
+
     async def no_shard_lease_held(reconciler_id: str) -> None:
-        # Runs while the reshard holds the base scope's row: no shard epoch can be recorded
-        # until it commits, and then only under the new layout. So a replica of the old
-        # layout that leads no shard now never leads one again. One that leads (its lease
-        # is live) would go on dispatching its shards' entities, which the new layout gives
-        # to other shards, beside their new holders: refuse.
+        # Runs while the reshard holds the base and shard scopes' rows: no shard epoch can
+        # be recorded until it commits, and then only under the new layout. So a replica
+        # of the old layout that leads no shard now never leads one again. One that leads
+        # (it renews its lease) would go on dispatching its shards' entities, which the
+        # new layout gives to other shards, beside their new holders: refuse.
         where = ""
         if leases is LeaderKind.KUBERNETES:
             namespace = args.namespace or config.pod_namespace
@@ -941,13 +961,20 @@ async def _run_reshard(
                     "nothing changed"
                 )
             )
-        now = datetime.datetime.now(datetime.UTC)
-        held = [
-            record
-            for entry in mine
-            for _, record in sorted(entry.shards.items())
-            if record.held_at(now)
-        ]
+        now = time.monotonic()
+        held: list[LeaseRecord] = []
+        watch = 0.0
+        for entry in mine:
+            for _, record in sorted(entry.shards.items()):
+                if not record.holder_id:
+                    continue  # released
+                renewal = (record.holder_id, record.epoch, record.renewed_at)
+                duration = _lease_duration(record)
+                seen = first_seen.setdefault(record.reconciler_id, (renewal, now))
+                if duration is None or seen[0] != renewal:
+                    held.append(record)  # renewed (or taken) while watched, or unknowable
+                elif now - seen[1] < duration * WATCH_MARGIN:
+                    watch = max(watch, duration * WATCH_MARGIN - (now - seen[1]))
         if held:
             which = ", ".join(
                 f"{r.reconciler_id} by {r.holder_id} until {_when(r.expires_at)}" for r in held
@@ -961,12 +988,35 @@ async def _run_reshard(
                     "these leases expire), then run the command again; nothing changed"
                 )
             )
+        if watch > 0:
+            raise _LeasesToWatch(watch)
 
     table = args.table or DEFAULT_FENCE_TABLE
     async with PostgresFencedRepository(url, table, scope=args.reconciler) as repository:
-        return await repository.reshard(
-            args.shards, by_namespace=args.by_namespace, check=no_shard_lease_held
-        )
+        for _ in range(WATCH_ROUNDS):
+            try:
+                return await repository.reshard(
+                    args.shards, by_namespace=args.by_namespace, check=no_shard_lease_held
+                )
+            except _LeasesToWatch as pending:
+                print(
+                    f"shard leases still name holders: watching {pending.seconds:.1f}s for a "
+                    "renewal (a replica still leading renews; one that stopped does not)",
+                    file=sys.stderr,
+                )
+                await asyncio.sleep(pending.seconds)
+    raise ConfigError(
+        f"reshard: shard leases kept changing holders over {WATCH_ROUNDS} watches: replicas "
+        "still take them; stop the old layout's replicas, then run the command again; "
+        "nothing changed"
+    )
+
+
+def _lease_duration(record: LeaseRecord) -> float | None:
+    """A lease's duration, from two times its store wrote with one clock (None: unknown)."""
+    if record.expires_at is None or record.renewed_at is None:
+        return None
+    return (record.expires_at - record.renewed_at).total_seconds()
 
 
 async def _leader_queues(endpoints: Sequence[str]) -> dict[str, dict[str, Any]]:
