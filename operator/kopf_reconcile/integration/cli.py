@@ -914,6 +914,7 @@ def _reshard_lease_store(args: argparse.Namespace, config: Settings) -> LeaderKi
 
 
 WATCH_MARGIN = 1.1  # a lease is watched this many of its durations (clock rates differ)
+WATCH_LONGEST = 600.0  # a held lease of a longer duration is refused, not waited for
 WATCH_ROUNDS = 3  # new holders appearing while held ones are watched: refuse after this many
 
 
@@ -984,8 +985,8 @@ async def _run_reshard(
                     f"reshard: {len(held)} shard lease(s) of {reconciler_id} are held "
                     f"({leases.value} leases): {which}. A replica of the old layout may "
                     "still lead them, and would go on reconciling their entities beside the "
-                    "new layout's holders: stop the old layout's replicas (or wait until "
-                    "these leases expire), then run the command again; nothing changed"
+                    "new layout's holders: stop the old layout's replicas, then run the "
+                    "command again; nothing changed"
                 )
             )
         if watch > 0:
@@ -1013,10 +1014,12 @@ async def _run_reshard(
 
 
 def _lease_duration(record: LeaseRecord) -> float | None:
-    """A lease's duration, from two times its store wrote with one clock (None: unknown)."""
+    """A lease's duration, from two times its store wrote with one clock (None: unknown,
+    or not one to wait for: none, or longer than :data:`WATCH_LONGEST`)."""
     if record.expires_at is None or record.renewed_at is None:
         return None
-    return (record.expires_at - record.renewed_at).total_seconds()
+    duration = (record.expires_at - record.renewed_at).total_seconds()
+    return duration if 0 < duration <= WATCH_LONGEST else None
 
 
 async def _leader_queues(endpoints: Sequence[str]) -> dict[str, dict[str, Any]]:
