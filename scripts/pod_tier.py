@@ -1,15 +1,14 @@
 """Set up the pod test tier's binaries: the node components, built once into a cache.
 
 The pod tier runs a real single-node cluster: the real tier's kube-apiserver
-and etcd, plus kube-controller-manager, kube-scheduler, kubelet and
-kube-proxy, with containerd, runc and the CNI plugins from Debian. The four
-Kubernetes components are built from the same Debian source package
-(``kubernetes`` 1.20.2, vendored, offline) by the same recipe as the real
-tier's kube-apiserver (``scripts/real_apiserver.py``: same packages, same
-vendored-module replacement, same build environment); only ``WHAT`` differs.
+and etcd, plus kube-controller-manager, kube-scheduler and a kubelet of the
+same release, with containerd, runc and the CNI plugins from Debian. The
+Kubernetes components are built from the Go module proxy by the same recipe as
+the real tier's kube-apiserver (``kube_build.py``); kube-proxy is not built,
+since the node does not run it (pods reach the API server by its address).
 
 The sandbox ("pause") image every pod starts with is built here too: a static
-Go program that waits for SIGTERM (Go from the same Debian packages), packed by
+Go program that waits for SIGTERM, built with the machine's Go, packed by
 ``umoci`` into an OCI archive the node imports into containerd, so no image is
 ever pulled.
 
@@ -23,32 +22,18 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
-from real_apiserver import (
-    GO_ROOT,
-    PACKAGES,
-    VENDOR_REPLACEMENTS,
-    SetupError,
-    fetch_source,
-    install_packages,
-    package_version,
-    replace_vendored_modules,
-    reported_version,
-    run,
-    set_up_tier,
-)
+from debian import install_packages, run
+from kube_build import build_kube, go
+from real_apiserver import set_up_tier
 
-from kopf_reconcile.testing.real_apiserver import KUBE_VERSION, cache_dir
+from kopf_reconcile.testing.kube_release import cache_dir, kube_dir, kube_version, pause_archive
 
-#: Bumped whenever the recipe changes, so that older cached builds go unused.
-NODE_BUILD_REVISION = 1
-COMPONENTS = ("kubelet", "kube-controller-manager", "kube-scheduler", "kube-proxy")
+COMPONENTS = ("kubelet", "kube-controller-manager", "kube-scheduler")
 #: What the node runs besides the Kubernetes components (Debian packages).
 NODE_PACKAGES = (
     "containerd",
@@ -60,8 +45,7 @@ NODE_PACKAGES = (
     "util-linux",
     "umoci",
 )
-#: The sandbox image: its archive in the cache, and the name the node imports it as.
-PAUSE_ARCHIVE = "pause.oci.tar"
+#: The tag of the sandbox image in its archive (the node imports it under its own name).
 PAUSE_TAG = "1"
 PAUSE_SOURCE = """\
 // pause: the process that holds a pod's namespaces; exits on SIGTERM or SIGINT.
@@ -81,59 +65,6 @@ func main() {
 """
 
 
-def node_dir() -> Path:
-    return cache_dir() / f"kube-node-{KUBE_VERSION}-r{NODE_BUILD_REVISION}"
-
-
-def is_built(directory: Path) -> bool:
-    return all(
-        reported_version(directory / name) == f"Kubernetes {KUBE_VERSION}" for name in COMPONENTS
-    )
-
-
-def build_components(tree: Path) -> Path:
-    """``make WHAT="cmd/kubelet cmd/..."``, offline, as the real tier builds kube-apiserver."""
-    env = {
-        **os.environ,
-        "PATH": f"{GO_ROOT / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "GOPROXY": "off",
-        "GOFLAGS": "-mod=vendor",
-        "CGO_ENABLED": "0",
-        "KUBE_GIT_VERSION": KUBE_VERSION,
-        "KUBE_GIT_TREE_STATE": "clean",
-    }
-    started = time.monotonic()
-    what = " ".join(f"cmd/{name}" for name in COMPONENTS)
-    run(["make", f"WHAT={what}"], cwd=tree, env=env)
-    print(f"built {', '.join(COMPONENTS)} in {time.monotonic() - started:.0f} s", flush=True)
-    goarch = subprocess.run(
-        [GO_ROOT / "bin" / "go", "env", "GOARCH"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    return tree / "_output" / "local" / "bin" / "linux" / goarch
-
-
-def install(built: Path, target: Path) -> None:
-    staging = target.with_name(f".{target.name}.new")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name in COMPONENTS:
-        shutil.copy2(built / name, staging / name)
-    if not is_built(staging):
-        raise SetupError(f"the built components in {built} do not report {KUBE_VERSION}")
-    record = [
-        f"Kubernetes {KUBE_VERSION}: {', '.join(COMPONENTS)}",
-        *(
-            f"vendor {module}: {package} {package_version(package)}"
-            for module, package in VENDOR_REPLACEMENTS.items()
-        ),
-        f"built: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
-    ]
-    (staging / "VERSION").write_text("\n".join(record) + "\n")
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    print(f"installed {', '.join(COMPONENTS)} into {target}", flush=True)
-
-
 def build_pause(target: Path) -> None:
     """A static ``/pause`` in an otherwise empty OCI image, archived as ``target``."""
     with tempfile.TemporaryDirectory(prefix="kopf-reconcile-pause-") as tmp:
@@ -144,9 +75,8 @@ def build_pause(target: Path) -> None:
             "CGO_ENABLED": "0",
             "GOFLAGS": "",
             "GOCACHE": str(work / "cache"),
-            "GO111MODULE": "off",
         }
-        run([GO_ROOT / "bin" / "go", "build", "-o", work / "pause", work / "pause.go"], env=env)
+        run([go(), "build", "-o", work / "pause", work / "pause.go"], env=env)
         layout, bundle = work / "layout", work / "bundle"
         ref = f"{layout}:{PAUSE_TAG}"
         run(["umoci", "init", "--layout", layout])
@@ -165,25 +95,17 @@ def build_pause(target: Path) -> None:
 
 
 def set_up() -> Path:
+    version = kube_version()
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    target = node_dir()
     with (cache / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_built(target):
-            install_packages((*PACKAGES, *NODE_PACKAGES))
-        else:
-            install_packages((*PACKAGES, *NODE_PACKAGES))
-            tree = fetch_source(cache)
-            replace_vendored_modules(tree)
-            install(build_components(tree), target)
-            shutil.rmtree(tree.parent)  # the binaries are what is cached, not the 2 GB tree
-            for stale in target.parent.glob("kube-node-*"):
-                if stale != target:
-                    shutil.rmtree(stale)
-        if not (target / PAUSE_ARCHIVE).is_file():
-            build_pause(target / PAUSE_ARCHIVE)
-    return target
+        install_packages(NODE_PACKAGES)
+        build_kube(COMPONENTS, version)
+        if not pause_archive().is_file():
+            pause_archive().parent.mkdir(parents=True, exist_ok=True)
+            build_pause(pause_archive())
+    return kube_dir(version)
 
 
 def main() -> int:

@@ -4,7 +4,7 @@
 each such test runs once per backend:
 
 - ``embedded``: the embedded emulation, fresh for each test;
-- ``real``: kube-apiserver v1.20.2 with etcd (``RealCluster``), one per test
+- ``real``: kube-apiserver v1.37.2 with etcd (``RealCluster``), one per test
   session, so tests isolate themselves by namespace (``kube_namespace``).
 
 Each backend offers ``.url``, ``.kubeconfig``, ``.api_client()`` and

@@ -68,7 +68,7 @@ RECONCILER_ID = "reconcile-device"
 _SERVING = re.compile(r"serving (http://[0-9.]+:[0-9]+)/metrics")
 
 
-def render(*settings: str, kube_version: str = "1.20.2") -> list[dict[str, Any]]:
+def render(*settings: str, kube_version: str = "1.37.2") -> list[dict[str, Any]]:
     sets = [f"--set={s}" for s in ("database.existingSecret=db", *settings)]
     result = helm(
         "template",
@@ -167,7 +167,7 @@ def test_api_server_address_can_be_given_for_clusters_without_service_routing() 
 
 
 def restricted_violations(pod: dict[str, Any]) -> list[str]:
-    """What the Restricted pod security standard (v1.20 onwards) finds wrong with ``pod``."""
+    """What the Restricted pod security standard finds wrong with ``pod``."""
     found = []
     pod_context = pod.get("securityContext") or {}
     for flag in ("hostNetwork", "hostPID", "hostIPC"):
@@ -268,12 +268,17 @@ def test_rbac_cluster_wide_mode_needs_no_namespace_rule() -> None:
     assert ("ClusterRole", "devices-ops-watch") in roles
 
 
-@pytest.mark.parametrize(
-    ("kube_version", "api"), [("1.20.2", "policy/v1beta1"), ("1.25.0", "policy/v1")]
-)
-def test_api_versions_follow_the_cluster(kube_version: str, api: str) -> None:
+@pytest.mark.parametrize("kube_version", ["1.33.0", "1.37.2"])
+def test_the_chart_renders_for_every_supported_release(kube_version: str) -> None:
     (pdb,) = by_kind(render(kube_version=kube_version), "PodDisruptionBudget")
-    assert pdb["apiVersion"] == api
+    assert pdb["apiVersion"] == "policy/v1"
+
+
+def test_the_chart_refuses_a_cluster_older_than_its_range() -> None:
+    refused = helm("template", "devices", str(CHART), "--set=database.existingSecret=db",
+                   "--kube-version=1.32.9")  # fmt: skip
+    assert refused.returncode != 0
+    assert "kubeVersion" in refused.stderr and ">=1.33.0-0" in refused.stderr
 
 
 def test_inline_handlers_are_mounted_from_a_configmap() -> None:
@@ -610,7 +615,7 @@ async def test_operator_uses_every_permission_of_the_chart_and_no_other(
     image_rootfs: Path,
     embedded_postgres_dsn: str,
 ) -> None:
-    # Helm 4 installs with server-side apply: every object must pass it on a v1.20 server.
+    # Helm 4 installs with server-side apply: every object must pass it on the real server.
     installed = await release.install(f"clusterWide={str(clusterwide).lower()}")
     assert installed.returncode == 0, installed.stderr
     assert "STATUS: deployed" in installed.stdout, installed.stdout
@@ -752,7 +757,7 @@ async def test_helm_test_hook_passes_only_while_a_live_leader_holds_the_lease(
         str(CHART),
         f"--namespace={ns}",
         "--set=database.existingSecret=db",
-        "--kube-version=1.20.2",
+        "--kube-version=1.37.2",
         "--show-only=templates/tests/leases.yaml",
     )
     assert hook.returncode == 0, hook.stderr

@@ -1,9 +1,9 @@
 """A real single-node Kubernetes cluster with pods, inside a network namespace of its own.
 
 The pod tier runs what users run: etcd and kube-apiserver (the real tier's
-build), kube-controller-manager, kube-scheduler and a kubelet built from the
-same Debian source (``scripts/pod_tier.py``), with Debian's containerd, runc
-and CNI plugins. Everything runs inside a network namespace the node creates;
+build), kube-controller-manager, kube-scheduler and a kubelet of the same
+release built by the same recipe (``scripts/pod_tier.py``), with Debian's
+containerd, runc and CNI plugins. Everything runs inside a network namespace the node creates;
 pods sit on a bridge that exists only there. The host reaches the API server
 through a forwarder on its loopback (``netns.py``); pods reach what a test
 exposes (:meth:`PodNode.expose`, e.g. PostgreSQL) at the node's address.
@@ -51,36 +51,32 @@ from node_files import (
     write_kubeconfig,
 )
 
+from kopf_reconcile.testing.kube_release import (
+    apiserver_feature_flags,
+    etcd_binary,
+    kube_binary,
+    pause_archive,
+)
 from kopf_reconcile.testing.real_apiserver import (
-    ETCD_BINARY,
-    KUBE_VERSION,
     ChildProcess,
     RealClusterError,
     apiserver_binary,
-    cache_dir,
     token_api_client,
     token_http_session,
 )
-
-NODE_BUILD_REVISION = 1
 
 
 class NodeError(RealClusterError):
     """The node could not be started or did not become Ready; the message says why."""
 
 
-def node_dir() -> Path:
-    """The cached node components (``scripts/pod_tier.py`` builds them)."""
-    return cache_dir() / f"kube-node-{KUBE_VERSION}-r{NODE_BUILD_REVISION}"
-
-
 def missing_parts() -> list[str]:
     """What the pod tier lacks on this machine (empty: it can run)."""
     needed = [
         apiserver_binary(),
-        ETCD_BINARY,
-        *(node_dir() / name for name in ("kubelet", "kube-controller-manager", "kube-scheduler")),
-        node_dir() / "pause.oci.tar",
+        etcd_binary(),
+        *(kube_binary(name) for name in ("kubelet", "kube-controller-manager", "kube-scheduler")),
+        pause_archive(),
         CNI_PLUGINS / "bridge",
         CNI_PLUGINS / "host-local",
         CNI_PLUGINS / "loopback",
@@ -306,28 +302,25 @@ class PodNode:
         etcd_url = await self._start_etcd()
         await self._start_apiserver(etcd_url)
         self.timings["apiserver ready"] = time.monotonic() - started
-        node = node_dir()
         self._spawn("containerd", ["containerd", "--config", str(self._dir / "containerd.toml")])
         await self._wait_for((self._dir / "containerd.sock").exists, "containerd")
         await self._ctr("images", "import", "--base-name", PAUSE_IMAGE.rsplit(":", 1)[0],
-                        str(node / "pause.oci.tar"))  # fmt: skip
+                        str(pause_archive()))  # fmt: skip
         admin = str(self._dir / "kubeconfig-inside")
         self._spawn("kube-controller-manager", [
-            str(node / "kube-controller-manager"), f"--kubeconfig={admin}",
-            "--leader-elect=false", "--port=0", "--secure-port=0",
+            str(kube_binary("kube-controller-manager")), f"--kubeconfig={admin}",
+            "--leader-elect=false", "--secure-port=0",
             f"--service-account-private-key-file={self._dir / 'pki' / 'sa.key'}",
             f"--root-ca-file={self.ca_file}", "--use-service-account-credentials=true",
             "--controllers=*", "--node-monitor-grace-period=20s",
         ])  # fmt: skip
         self._spawn("kube-scheduler", [
-            str(node / "kube-scheduler"), f"--kubeconfig={admin}",
-            "--leader-elect=false", "--port=0", "--secure-port=0",
+            str(kube_binary("kube-scheduler")), f"--kubeconfig={admin}",
+            "--leader-elect=false", "--secure-port=0",
         ])  # fmt: skip
         self._spawn("kubelet", [
-            str(node / "kubelet"), f"--config={self._dir / 'kubelet.yaml'}",
+            str(kube_binary("kubelet")), f"--config={self._dir / 'kubelet.yaml'}",
             f"--kubeconfig={self._dir / 'kubeconfig-kubelet'}",
-            "--container-runtime=remote",
-            f"--container-runtime-endpoint=unix://{self._dir / 'containerd.sock'}",
             f"--root-dir={self._dir / 'kubelet'}", f"--cert-dir={self._dir / 'kubelet-pki'}",
             f"--node-ip={NODE_IP}", f"--hostname-override={NODE_NAME}",
             "--runtime-request-timeout=5m", "--v=1",
@@ -353,7 +346,7 @@ class PodNode:
     async def _start_etcd(self) -> str:
         client_url = "http://127.0.0.1:2379"  # the node's own loopback
         self._spawn("etcd", [
-            str(ETCD_BINARY), "--name=default", f"--data-dir={self._dir / 'etcd'}",
+            str(etcd_binary()), "--name=default", f"--data-dir={self._dir / 'etcd'}",
             f"--listen-client-urls={client_url}", f"--advertise-client-urls={client_url}",
             "--listen-peer-urls=http://127.0.0.1:2380",
             "--initial-advertise-peer-urls=http://127.0.0.1:2380",
@@ -367,7 +360,7 @@ class PodNode:
         self._spawn("kube-apiserver", [
             str(apiserver_binary()), f"--etcd-servers={etcd_url}",
             "--bind-address=0.0.0.0", f"--advertise-address={NODE_IP}",
-            f"--secure-port={APISERVER_PORT}", "--insecure-port=0",
+            f"--secure-port={APISERVER_PORT}", *apiserver_feature_flags(),
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",

@@ -122,7 +122,11 @@ conf_dir = "{d / "cni"}"
     (d / "kubelet.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
+        # containerd 1.x does not report its cgroup driver (the RuntimeConfig call): say it.
         "cgroupDriver": "cgroupfs",
+        # This kind of machine has cgroup v1, which a kubelet from 1.35 on refuses unless told.
+        "failCgroupV1": False,
+        "containerRuntimeEndpoint": f"unix://{d / 'containerd.sock'}",
         "failSwapOn": False,
         "address": NODE_IP,
         "readOnlyPort": 0,

@@ -1,11 +1,12 @@
 """A real kube-apiserver for tests: the project's counterpart of controller-runtime's envtest.
 
 The embedded cluster imitates kube-apiserver; this module runs the real one, so
-the same tests can prove the imitation right. ``RealCluster`` starts Debian's
-etcd and a kube-apiserver v1.20.2 (built once by ``scripts/real_apiserver.py``
-into a cache outside the work tree) on free loopback ports, with fresh data in
-a temporary directory, and offers the interface of the embedded cluster:
-``.url``, ``.kubeconfig``, ``.api_client()`` and ``.http_session()``.
+the same tests can prove the imitation right. ``RealCluster`` starts etcd and
+kube-apiserver of the release :mod:`kube_release` selects (the newest by
+default; both built once by ``scripts/real_apiserver.py`` into a cache outside
+the work tree) on free loopback ports, with fresh data in a temporary
+directory, and offers the interface of the embedded cluster: ``.url``,
+``.kubeconfig``, ``.api_client()`` and ``.http_session()``.
 
 Only the API server runs: no controller-manager, scheduler or kubelet, so pods
 never run and deleted namespaces never finish terminating. Authentication is by
@@ -35,15 +36,19 @@ import aiohttp
 import yaml
 from kubernetes_asyncio.client import ApiClient, Configuration
 
+from kopf_reconcile.testing.kube_release import (
+    apiserver_feature_flags,
+    etcd_binary,
+    kube_binary,
+    kube_version,
+)
+
 #: The Kubernetes release the real tier runs, as ``kube-apiserver --version`` reports it.
-KUBE_VERSION = "v1.20.2"
-#: Bumped whenever the way the binary is built changes, so that older cached builds go unused.
-BUILD_REVISION = 2
+KUBE_VERSION = kube_version()
 #: The user that may do anything (group ``system:masters``) and the one that may do nothing.
 ADMIN_USER = "admin"
 UNPRIVILEGED_USER = "nobody"
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"  # allocated in etcd only; nothing is routed there
-ETCD_BINARY = Path("/usr/bin/etcd")
 
 #: Tells, over a given HTTP session, whether a starting server is ready.
 ReadinessCheck = Callable[[aiohttp.ClientSession], Awaitable[bool]]
@@ -53,18 +58,9 @@ class RealClusterError(RuntimeError):
     """etcd or kube-apiserver could not be started; the message says why."""
 
 
-def cache_dir() -> Path:
-    """Where the real tier's build lives: outside the work tree, shared by all checkouts."""
-    configured = os.environ.get("KOPF_RECONCILE_CACHE")
-    if configured:
-        return Path(configured)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kopf-reconcile"
-
-
 def apiserver_binary() -> Path:
     """The cached kube-apiserver build (made by ``scripts/real_apiserver.py``)."""
-    return cache_dir() / f"kube-apiserver-{KUBE_VERSION}-r{BUILD_REVISION}" / "kube-apiserver"
+    return kube_binary("kube-apiserver", KUBE_VERSION)
 
 
 def dying_with_parent(argv: list[str]) -> list[str]:
@@ -157,11 +153,11 @@ class RealCluster:
         self,
         *,
         apiserver: Path | None = None,
-        etcd: Path = ETCD_BINARY,
+        etcd: Path | None = None,
         ready_timeout: float = 90.0,
     ) -> None:
         self.apiserver_path = apiserver or apiserver_binary()
-        self.etcd_path = etcd
+        self.etcd_path = etcd or etcd_binary()
         self.ready_timeout = ready_timeout
         self.admin_token = secrets.token_hex(16)
         self.unprivileged_token = secrets.token_hex(16)
@@ -257,8 +253,8 @@ class RealCluster:
             )
         if not os.access(self.etcd_path, os.X_OK):
             raise RealClusterError(
-                f"no etcd at {self.etcd_path}: install Debian's etcd-server "
-                "(`python scripts/real_apiserver.py` does)"
+                f"no etcd at {self.etcd_path}: build it with "
+                "`python scripts/real_apiserver.py` (or `make test`)"
             )
 
     async def _start(self) -> None:
@@ -273,7 +269,6 @@ class RealCluster:
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
                 f"--secure-port={self._port}",
-                "--insecure-port=0",
                 f"--cert-dir={self._dir / 'certs'}",
                 "--service-account-issuer=https://kubernetes.default.svc",
                 f"--service-account-key-file={self._dir / 'service-account.key'}",
@@ -282,6 +277,7 @@ class RealCluster:
                 "--authorization-mode=RBAC",
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--endpoint-reconciler-type=none",
+                *apiserver_feature_flags(KUBE_VERSION),
             ],
         )
         await self._wait_until_ready(apiserver)

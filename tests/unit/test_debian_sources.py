@@ -1,8 +1,8 @@
-"""The real tier's setup derives deb-src entries from the machine's own apt source entries.
+"""The image build finds Debian's archive in the machine's own apt source entries.
 
-Only entries for Debian's release that carries the ``kubernetes`` source package
-qualify; everything else apt reads (other vendors' archives, disabled stanzas,
-deb-src lines, comments) must be left out, and the keyring kept.
+Only entries for the Debian release the image is made of qualify; everything
+else apt reads (other vendors' archives, disabled stanzas, deb-src lines,
+comments) must be left out, and the keyring kept.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "real_apiserver.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "debian.py"
 KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 
 
 @pytest.fixture
 def setup_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The setup script as a module, reading apt source entries from ``tmp_path``."""
-    spec = importlib.util.spec_from_file_location("real_apiserver_setup", SCRIPT)
+    spec = importlib.util.spec_from_file_location("debian_setup", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
@@ -32,7 +32,7 @@ def setup_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
-def test_deb822_entries_become_deb_src_for_the_debian_release_only(
+def test_deb822_entries_of_the_debian_release_only(
     setup_script: ModuleType, tmp_path: Path
 ) -> None:
     (tmp_path / "sources.list.d" / "debian.sources").write_text(
@@ -62,19 +62,11 @@ def test_deb822_entries_become_deb_src_for_the_debian_release_only(
         "Types: deb\nURIs: http://ignored.example\nSuites: bookworm\nComponents: main\n"
     )
 
-    stanzas = [entry.as_deb_src_stanza() for entry in setup_script.debian_source_entries()]
+    entries = setup_script.debian_entries("bookworm")
 
-    assert stanzas == [
-        "Types: deb-src\n"
-        "URIs: http://archive.example/debian\n"
-        "Suites: bookworm bookworm-updates\n"
-        "Components: main\n"
-        f"Signed-By: {KEYRING}\n",
-        "Types: deb-src\n"
-        "URIs: http://archive.example/debian-security\n"
-        "Suites: bookworm-security\n"
-        "Components: main\n"
-        f"Signed-By: {KEYRING}\n",
+    assert [(e.uris, e.suites, e.components, e.signed_by) for e in entries] == [
+        (("http://archive.example/debian",), ("bookworm", "bookworm-updates"), ("main",), KEYRING),
+        (("http://archive.example/debian-security",), ("bookworm-security",), ("main",), KEYRING),
     ]
 
 
@@ -87,7 +79,7 @@ def test_one_line_entries_keep_their_keyring(setup_script: ModuleType, tmp_path:
         "deb http://archive.example/debian bookworm contrib\n"
     )
 
-    entries = setup_script.debian_source_entries()
+    entries = setup_script.debian_entries("bookworm")
 
     assert [(e.uris, e.suites, e.components, e.signed_by) for e in entries] == [
         (("http://archive.example/debian",), ("bookworm",), ("main",), KEYRING)
@@ -98,4 +90,4 @@ def test_no_debian_entry_is_a_clear_error(setup_script: ModuleType, tmp_path: Pa
     (tmp_path / "sources.list").write_text("deb http://vendor.example/apt nodistro main\n")
 
     with pytest.raises(setup_script.SetupError, match="no apt source entry for Debian bookworm"):
-        setup_script.debian_source_entries()
+        setup_script.debian_entries("bookworm")
