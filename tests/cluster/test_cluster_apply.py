@@ -191,8 +191,7 @@ async def test_apply_checks_the_request(http: aiohttp.ClientSession, lease_url: 
     response = await apply(http, lease_url, wrong_version, "tests")
     assert response.status == 400
     assert (await response.json())["message"] == (
-        "Incorrect version specified in apply patch. Specified patch version: "
-        "coordination.k8s.io/v2, expected: coordination.k8s.io/v1"
+        "invalid object type: coordination.k8s.io/v2, Kind=Lease"
     )
 
     name = lease_url.rsplit("/", 1)[-1]
@@ -204,7 +203,19 @@ async def test_apply_checks_the_request(http: aiohttp.ClientSession, lease_url: 
 
     response = await apply(http, lease_url, "a: [", "tests")
     assert response.status == 400
-    assert (await response.json())["message"].startswith("error decoding YAML: ")
+    assert (await response.json())["message"].startswith("error encoding patch: yaml: ")
+    response = await apply(http, lease_url, "- 1", "tests")
+    assert response.status == 400
+    assert (await response.json())["message"] == (
+        "error decoding patch: error unmarshaling JSON: while decoding JSON: json: "
+        "cannot unmarshal array into Go value of type map[string]interface {}"
+    )
+    wrong_kind = config.replace("kind: Lease", "kind: Foo")
+    response = await apply(http, lease_url, wrong_kind, "tests")
+    assert response.status == 400
+    assert (await response.json())["message"] == (
+        "invalid object type: coordination.k8s.io/v1, Kind=Foo"
+    )
 
     invalid = lease_config(lease_url, leaseDurationSeconds=0)
     response = await apply(http, lease_url, invalid, "tests")

@@ -199,7 +199,7 @@ async def test_put_without_resource_version_is_invalid(
         status = await response.json()
         assert status["message"] == (
             f'widgets.{widgets.group} "w1" is invalid: metadata.resourceVersion: '
-            "Invalid value: 0x0: must be specified for an update"
+            "Invalid value: 0: must be specified for an update"
         )
         assert status["details"]["kind"] == "widgets"
         assert status["details"]["causes"][0]["field"] == "metadata.resourceVersion"

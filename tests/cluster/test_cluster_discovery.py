@@ -84,30 +84,28 @@ async def test_unknown_group_is_no_api_path(http: aiohttp.ClientSession) -> None
             assert await response.text() == "404 page not found\n"
 
 
-async def test_leases_are_served_as_v1beta1_too(
+async def test_leases_are_served_as_v1_only(
     http: aiohttp.ClientSession, kube_namespace: str
 ) -> None:
     group = await (await http.get("/apis/coordination.k8s.io")).json()
-    assert [v["version"] for v in group["versions"]] == ["v1", "v1beta1"]
     assert group["preferredVersion"]["version"] == "v1"
-    hashes = set()
-    for version in ("v1", "v1beta1"):
-        resources = await (await http.get(f"/apis/coordination.k8s.io/{version}")).json()
-        lease = next(r for r in resources["resources"] if r["name"] == "leases")
-        hashes.add(lease["storageVersionHash"])
-    assert hashes == {"/sY7hl8ol1U="}  # v1.20 stores Leases as v1beta1
+    resources = await (await http.get("/apis/coordination.k8s.io/v1")).json()
+    lease = next(r for r in resources["resources"] if r["name"] == "leases")
+    assert lease["storageVersionHash"] == "gqkMMb/YqFM="  # stored as coordination.k8s.io/v1
 
-    url = f"/apis/coordination.k8s.io/v1/namespaces/{kube_namespace}/leases"
-    await http.post(url, json={"metadata": {"name": "both"}, "spec": {"holderIdentity": "a"}})
-    old = await (await http.get(url.replace("/v1/", "/v1beta1/") + "/both")).json()
-    assert old["apiVersion"] == "coordination.k8s.io/v1beta1"
-    assert old["spec"] == {"holderIdentity": "a"}
+    url = f"/apis/coordination.k8s.io/v1beta1/namespaces/{kube_namespace}/leases"
+    async with http.post(url, json={"metadata": {"name": "old"}}) as response:
+        assert response.status == 404  # v1beta1 Leases were removed in v1.22
 
 
-async def test_built_in_kinds_have_no_singular_name(http: aiohttp.ClientSession) -> None:
+async def test_built_in_kinds_have_their_singular_name(http: aiohttp.ClientSession) -> None:
     for path in ("/api/v1", "/apis/coordination.k8s.io/v1", "/apis/apiextensions.k8s.io/v1"):
         resources = (await (await http.get(path)).json())["resources"]
-        assert {r["singularName"] for r in resources} == {""}
+        kinds = {r["name"]: r for r in resources}
+        for name in ("namespaces", "configmaps", "secrets", "events", "leases"):
+            if name in kinds:
+                assert kinds[name]["singularName"] == kinds[name]["kind"].lower()
+        assert {r["singularName"] for r in resources if "/" in r["name"]} <= {""}
 
 
 async def test_system_namespaces_exist(api_client: Any) -> None:

@@ -99,7 +99,7 @@ async def test_injected_fault_body_is_a_status(embedded_cluster: EmbeddedCluster
 
 
 async def test_field_validation_strict_and_warn(embedded_cluster: EmbeddedCluster) -> None:
-    # Beyond v1.20 (which ignores the parameter): kubectl relies on it here, see openapi.py.
+    # kubectl relies on it here, see openapi.py.
     body = {"metadata": {"name": "a", "bogus": 1}, "spec": {"holderIdentity": "x", "junk": 2}}
     async with embedded_cluster.http_session() as http:
         response = await http.post(LEASES, params={"fieldValidation": "Strict"}, json=body)
@@ -118,7 +118,7 @@ async def test_field_validation_strict_and_warn(embedded_cluster: EmbeddedCluste
 
 
 async def test_deleted_namespace_is_emptied_after_the_controller_delay() -> None:
-    # A real v1.20 needs kube-controller-manager for this; the embedded cluster does it itself.
+    # A real server needs kube-controller-manager for this; the embedded cluster does it itself.
     async with (
         EmbeddedCluster(namespace_termination_delay=0.2) as cluster,
         cluster.http_session() as http,

@@ -119,7 +119,7 @@ async def test_put_without_resource_version_is_invalid(
         "metadata": {},
         "status": "Failure",
         "message": f'leases.coordination.k8s.io "{name}" is invalid: metadata.resourceVersion: '
-        "Invalid value: 0x0: must be specified for an update",
+        "Invalid value: 0: must be specified for an update",
         "reason": "Invalid",
         "details": {
             "name": name,
@@ -128,7 +128,7 @@ async def test_put_without_resource_version_is_invalid(
             "causes": [
                 {
                     "reason": "FieldValueInvalid",
-                    "message": "Invalid value: 0x0: must be specified for an update",
+                    "message": "Invalid value: 0: must be specified for an update",
                     "field": "metadata.resourceVersion",
                 }
             ],

@@ -88,7 +88,8 @@ async def test_namespace_finalizers_are_not_updated(
     await http.post("/api/v1/namespaces", json={"metadata": {"name": name}})
     body = {"metadata": {"name": name, "labels": {"a": "b"}}, "spec": {"finalizers": []}}
     replaced = await (await http.put(f"/api/v1/namespaces/{name}", json=body)).json()
-    assert replaced["metadata"]["labels"] == {"a": "b"}
+    # The name label is set on every write, whatever the body says.
+    assert replaced["metadata"]["labels"] == {"a": "b", "kubernetes.io/metadata.name": name}
     assert replaced["spec"]["finalizers"] == ["kubernetes"]  # only /finalize changes them
     await http.delete(f"/api/v1/namespaces/{name}")
 
@@ -232,9 +233,9 @@ async def test_new_style_events_need_their_reporter(
     assert response.status == 422
     fields = [cause["field"] for cause in (await response.json())["details"]["causes"]]
     assert fields == [
-        "reportingController",
-        "reportingController",
-        "reportingController",
+        "reportingComponent",
+        "reportingComponent",
+        "reportingComponent",
         "reportingInstance",
         "action",
     ]

@@ -153,3 +153,78 @@ async def test_timeout_seconds_ends_the_stream(http: aiohttp.ClientSession) -> N
             assert response.status == 200
             remaining = [event async for event in events(response) if event["type"] != "BOOKMARK"]
     assert remaining == []
+
+
+async def test_watch_list_sends_the_state_then_a_bookmark_then_changes(
+    http: aiohttp.ClientSession, unique: Callable[[str], str]
+) -> None:
+    label = {"watch-list": unique("run")}
+    names = [unique("lease") for _ in range(2)]
+    for name in names:
+        await http.post(LEASES, json=lease_body(name, labels=label))
+    selector = {"labelSelector": ",".join(f"{k}={v}" for k, v in label.items())}
+    params = {
+        **selector,
+        "sendInitialEvents": "true",
+        "resourceVersionMatch": "NotOlderThan",
+        "allowWatchBookmarks": "true",
+    }
+    received: list[dict[str, Any]] = []
+    async with asyncio.timeout(10):
+        async with http.get(LEASES, params={"watch": "true", **params}) as response:
+            assert response.status == 200
+            async for event in events(response):
+                received.append(event)
+                if event["type"] == "BOOKMARK" and event["object"]["metadata"].get("annotations"):
+                    late = unique("lease")
+                    await http.post(LEASES, json=lease_body(late, labels=label))
+                if event["type"] == "ADDED" and len(received) > 3:
+                    break
+    initial = [e["object"]["metadata"]["name"] for e in received[:2]]
+    assert sorted(initial) == sorted(names) and {e["type"] for e in received[:2]} == {"ADDED"}
+    end = received[2]
+    assert end["type"] == "BOOKMARK"
+    assert end["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
+    assert int(end["object"]["metadata"]["resourceVersion"]) >= max(
+        int(e["object"]["metadata"]["resourceVersion"]) for e in received[:2]
+    )
+    changes = [e for e in received[3:] if e["type"] != "BOOKMARK"]
+    assert [e["object"]["metadata"]["name"] for e in changes] == [late]
+
+    # false: only the changes after the version (none here), never the state.
+    params["sendInitialEvents"] = "false"
+    params["timeoutSeconds"] = "1"
+    async with http.get(LEASES, params={"watch": "true", **params}) as response:
+        assert response.status == 200
+        assert [e async for e in events(response) if e["type"] != "BOOKMARK"] == []
+
+
+async def test_watch_list_options_are_checked(http: aiohttp.ClientSession) -> None:
+    async def causes(params: dict[str, str]) -> list[tuple[str, str]]:
+        async with http.get(LEASES, params=params) as response:
+            assert response.status == 422
+            status = await response.json()
+        assert status["details"]["kind"] == "ListOptions"
+        return [(c["field"], c["message"]) for c in status["details"]["causes"]]
+
+    assert await causes({"sendInitialEvents": "true"}) == [
+        ("sendInitialEvents", "Forbidden: sendInitialEvents is forbidden for list")
+    ]
+    assert await causes({"watch": "true", "sendInitialEvents": "true"}) == [
+        (
+            "resourceVersionMatch",
+            "Forbidden: sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
+        )
+    ]
+    watch_exact = {"watch": "true", "resourceVersionMatch": "Exact", "resourceVersion": "1"}
+    assert await causes(watch_exact) == [
+        (
+            "resourceVersionMatch",
+            "Forbidden: resourceVersionMatch is forbidden for watch unless sendInitialEvents "
+            "is provided",
+        ),
+        (
+            "resourceVersionMatch",
+            'Unsupported value: "Exact": supported values: "NotOlderThan"',
+        ),
+    ]

@@ -183,7 +183,7 @@ async def test_a_hand_made_lease_is_taken_over_above_every_epoch_known_without_a
     [
         ("leaseDurationSeconds", -5, "must be greater than 0"),
         ("leaseDurationSeconds", 0, "must be greater than 0"),
-        ("leaseTransitions", -1, "must to greater or equal than 0"),  # v1.20's words
+        ("leaseTransitions", -1, "must be greater than or equal to 0"),
     ],
     ids=["negative-duration", "zero-duration", "negative-transitions"],
 )

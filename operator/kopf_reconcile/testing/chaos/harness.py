@@ -7,7 +7,7 @@ that reads top to bottom as the run it performs.)
 
 * the embedded Kubernetes API as a process of its own (``python -m
   kopf_reconcile.testing.emulated_apiserver``), with its admin API for faults; or, with
-  ``tier="real"``, kube-apiserver v1.20.2 on etcd (:class:`RealCluster`),
+  ``tier="real"``, the real kube-apiserver on etcd (:class:`RealCluster`),
   where the faults the admin API injects are replaced by what can be done
   from outside: a SIGKILL and restart of kube-apiserver on the same etcd and
   port (for 500s and for a paused server), every replica's connections reset
@@ -142,7 +142,7 @@ class Options:
     duration: float = 60.0
     replicas: int = 3
     elector: str = "kubernetes"
-    tier: str = "embedded"  # or "real": kube-apiserver v1.20.2 with etcd (RealCluster)
+    tier: str = "embedded"  # or "real": the real kube-apiserver with etcd (RealCluster)
     devices: int = 200
     changes_per_second: float = 10.0
     ttl: int = 3

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from kopf_reconcile.testing.emulated_apiserver.registry import ResourceAPI
 
 NAMESPACES_KEY: StorageKey = ("", "namespaces")
+#: The label kube-apiserver sets on every namespace to its name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 EVENTS_KEY: StorageKey = ("", "events")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from kopf_reconcile.testing.emulated_apiserver.resources import ResourceRegistry
 
 #: The kube-apiserver release whose behaviour the embedded cluster emulates.
-EMULATED_VERSION = "v1.20.2"
+EMULATED_VERSION = "v1.37.2"
 
 #: Built-in groups in kube-apiserver's order; CRD groups follow alphabetically.
 _BUILTIN_GROUP_ORDER = ("coordination.k8s.io", "apiextensions.k8s.io")
@@ -37,11 +37,15 @@ def version_info() -> dict[str, str]:
     return {
         "major": major,
         "minor": minor,
+        "emulationMajor": major,
+        "emulationMinor": minor,
+        "minCompatibilityMajor": major,
+        "minCompatibilityMinor": str(int(minor) - 1),
         "gitVersion": f"{EMULATED_VERSION}-embedded",
         "gitCommit": "0000000000000000000000000000000000000000",
         "gitTreeState": "clean",
-        "buildDate": "2021-01-13T13:20:00Z",
-        "goVersion": "go1.15.5",
+        "buildDate": "2026-10-01T00:00:00Z",
+        "goVersion": "go1.26.8",
         "compiler": "gc",
         "platform": "linux/amd64",
     }

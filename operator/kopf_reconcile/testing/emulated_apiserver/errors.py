@@ -177,14 +177,13 @@ def invalid(target: Target, errors: Sequence[FieldError]) -> ApiError:
 def resource_version_required(target: Target) -> ApiError:
     """A PUT without ``metadata.resourceVersion`` for a kind that forbids unconditional updates.
 
-    kube-apiserver's registry names the resource (not the Kind) in this one, and renders the
-    missing version as Go's ``%#v`` of an unsigned zero.
+    kube-apiserver's registry names the resource (not the Kind) in this one.
     """
     as_resource = Target(target.group, target.plural, target.plural, target.name)
     missing = FieldError(
         "metadata.resourceVersion",
         "FieldValueInvalid",
-        "Invalid value: 0x0: must be specified for an update",
+        "Invalid value: 0: must be specified for an update",
     )
     return invalid(as_resource, [missing])
 
@@ -223,7 +222,7 @@ def unsupported_patch_type(accepted: Iterable[str]) -> ApiError:
 
 
 def patch_rejected() -> ApiError:
-    """A JSON patch that cannot apply: kube-apiserver v1.20 gives no detail beyond this."""
+    """A JSON patch that cannot apply: kube-apiserver v1.37 gives no detail beyond this."""
     message = "the server rejected our request due to an error in our request"
     return ApiError(422, message, "Invalid", {})
 

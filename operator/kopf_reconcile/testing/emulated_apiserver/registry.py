@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from kopf_reconcile.testing.emulated_apiserver import applying, crds, errors, patching, validation
 from kopf_reconcile.testing.emulated_apiserver.controllers import (
+    NAMESPACE_NAME_LABEL,
     NAMESPACES_KEY,
     Controllers,
 )
@@ -194,6 +195,7 @@ class ResourceAPI:
         if resource.storage_key == NAMESPACES_KEY:
             obj["spec"] = {"finalizers": ["kubernetes"], **(obj.get("spec") or {})}
             obj["status"] = {"phase": "Active"}
+            _label_namespace_with_its_name(obj)
         if resource.storage_key == crds.CRD_KEY:
             obj = crds.with_defaults_and_status(obj, self._clock())
         return obj
@@ -374,22 +376,14 @@ class ResourceAPI:
         """Check an apply configuration's identity as kube-apiserver does, before anything."""
         if not isinstance(config, dict):
             raise errors.bad_request(
-                "error decoding YAML: error unmarshaling JSON: while decoding JSON: json: "
-                f"cannot unmarshal {type(config).__name__} into Go value of type "
+                "error decoding patch: error unmarshaling JSON: while decoding JSON: json: "
+                f"cannot unmarshal {_json_type_name(config)} into Go value of type "
                 "map[string]interface {}"
             )
         version = config.get("apiVersion") or ""
-        if version != resource.api_version:
-            raise errors.bad_request(
-                f"Incorrect version specified in apply patch. Specified patch version: "
-                f"{version}, expected: {resource.api_version}"
-            )
         kind = config.get("kind") or ""
-        if kind != resource.kind:
-            raise errors.storage_error(
-                f"failed to create typed patch object: no corresponding type for "
-                f"{resource.api_version}, Kind={kind}"
-            )
+        if version != resource.api_version or kind != resource.kind:
+            raise errors.bad_request(f"invalid object type: {version}, Kind={kind}")
         metadata = config.get("metadata") or {}
         if not isinstance(metadata, dict):
             return config  # decoding answers 400 for it
@@ -489,9 +483,11 @@ class ResourceAPI:
                 meta.pop(kept, None)
         meta.pop("selfLink", None)
         meta["resourceVersion"] = old_meta["resourceVersion"]
-        if resource.storage_key == NAMESPACES_KEY and "spec" in current:
-            # spec.finalizers change only through /finalize, as in kube-apiserver.
-            obj["spec"] = copy.deepcopy(current["spec"])
+        if resource.storage_key == NAMESPACES_KEY:
+            _label_namespace_with_its_name(obj)
+            if "spec" in current:
+                # spec.finalizers change only through /finalize, as in kube-apiserver.
+                obj["spec"] = copy.deepcopy(current["spec"])
         if subresource == "status":
             # Through the status subresource only the status changes; the rest is kept.
             obj = _with_status_of(current, obj)
@@ -594,3 +590,21 @@ def _spec_changed(resource: ResourceType, new: Object, old: Object) -> bool:
     return {k: v for k, v in new.items() if k not in ignored} != {
         k: v for k, v in old.items() if k not in ignored
     }
+
+
+def _label_namespace_with_its_name(namespace: Object) -> None:
+    """Every namespace carries ``kubernetes.io/metadata.name: <name>``, whatever a write says
+    (kube-apiserver sets it on every create and update since v1.22)."""
+    meta = namespace["metadata"]
+    meta["labels"] = {**(meta.get("labels") or {}), NAMESPACE_NAME_LABEL: meta["name"]}
+
+
+def _json_type_name(value: Any) -> str:
+    """The JSON type of a decoded value, as Go's encoding/json names it in errors."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    return "string" if isinstance(value, str) else "null"

@@ -1,6 +1,6 @@
 """What a request to the embedded API server asks: its query options and its body.
 
-kube-apiserver's option rules, as v1.20 applies them: ``ListOptions``
+kube-apiserver's option rules, as v1.37 applies them: ``ListOptions``
 (``resourceVersionMatch`` and what it excludes), ``PatchOptions`` (apply needs a
 field manager, ``force`` is for apply only), the write options (``dryRun``,
 ``fieldValidation``), ``resourceVersion`` and ``continue`` tokens; and bodies in
@@ -35,17 +35,24 @@ def non_negative_int(value: str, name: str) -> int:
     return number
 
 
-def resource_version(request: web.Request) -> int:
-    """The ``resourceVersion`` parameter; 0 when absent or ``0`` (any state will do)."""
+def resource_version(request: web.Request, *, listing: bool = False) -> int:
+    """The ``resourceVersion`` parameter; 0 when absent or ``0`` (any state will do).
+
+    One that is not a number is a storage error (500) for a get or a watch; a list checks
+    it first and answers 400.
+    """
     raw = request.query.get("resourceVersion", "")
     if not raw:
         return 0
     if not raw.isascii() or not raw.isdigit():
         quoted = json.dumps(raw)
-        raise errors.storage_error(
+        message = (
             f"resourceVersion: Invalid value: {quoted}: strconv.ParseUint: parsing {quoted}: "
             "invalid syntax"
         )
+        if listing:
+            raise errors.bad_request(f"invalid resource version: {message}")
+        raise errors.storage_error(message)
     return int(raw)
 
 
@@ -63,9 +70,7 @@ async def read_yaml(request: web.Request) -> Any:
     try:
         return yaml.load(await request.read(), Loader=_YamlLoader)  # a SafeLoader subclass
     except (UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise errors.bad_request(
-            f"error decoding YAML: error converting YAML to JSON: {exc}"
-        ) from None
+        raise errors.bad_request(f"error encoding patch: yaml: {exc}") from None
 
 
 async def read_json(request: web.Request) -> Any:
@@ -97,45 +102,65 @@ async def read_body(request: web.Request) -> Any:
 
 
 def check_list_options(request: web.Request) -> None:
-    """kube-apiserver v1.20's ListOptions rules (which also turn WatchList clients away,
-    so that client-go falls back to list-then-watch, as it does with a real v1.20)."""
-    match = request.query.get("resourceVersionMatch", "")
-    if not match:
-        return
+    """kube-apiserver v1.37's ListOptions rules, for lists and for watches (WatchList:
+    ``sendInitialEvents`` asks a watch to start with the current state)."""
+    query = request.query
+    match = query.get("resourceVersionMatch", "")
+    initial_events = "sendInitialEvents" in query
     problems: list[errors.FieldError] = []
-    if flag(request.query.get("watch")):
-        problems.append(
-            errors.FieldError.forbidden(
-                "resourceVersionMatch", "resourceVersionMatch is forbidden for watch"
-            )
-        )
-    if not request.query.get("resourceVersion"):
-        problems.append(
-            errors.FieldError.forbidden(
+
+    def forbidden(field: str, reason: str) -> None:
+        problems.append(errors.FieldError.forbidden(field, reason))
+
+    if flag(query.get("watch")):
+        if initial_events and match != "NotOlderThan":
+            forbidden(
                 "resourceVersionMatch",
-                "resourceVersionMatch is forbidden unless resourceVersion is provided",
+                "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
             )
-        )
-    if request.query.get("continue"):
-        problems.append(
-            errors.FieldError.forbidden(
-                "resourceVersionMatch",
-                "resourceVersionMatch is forbidden when continue is provided",
-            )
-        )
-    if match not in ("NotOlderThan", "Exact"):
-        problems.append(
-            errors.FieldError.not_supported(
-                "resourceVersionMatch", match, ("Exact", "NotOlderThan", "")
-            )
-        )
-    if match == "Exact" and request.query.get("resourceVersion") == "0":
-        problems.append(
-            errors.FieldError.forbidden(
-                "resourceVersionMatch",
-                'resourceVersionMatch "exact" is forbidden for resourceVersion "0"',
-            )
-        )
+        if match:
+            if not initial_events:
+                forbidden(
+                    "resourceVersionMatch",
+                    "resourceVersionMatch is forbidden for watch unless sendInitialEvents is "
+                    "provided",
+                )
+            if match != "NotOlderThan":
+                problems.append(
+                    errors.FieldError.not_supported(
+                        "resourceVersionMatch", match, ("NotOlderThan",)
+                    )
+                )
+            if query.get("continue"):
+                forbidden(
+                    "resourceVersionMatch",
+                    "resourceVersionMatch is forbidden when continue is provided",
+                )
+    else:
+        if match:
+            if not query.get("resourceVersion"):
+                forbidden(
+                    "resourceVersionMatch",
+                    "resourceVersionMatch is forbidden unless resourceVersion is provided",
+                )
+            if query.get("continue"):
+                forbidden(
+                    "resourceVersionMatch",
+                    "resourceVersionMatch is forbidden when continue is provided",
+                )
+            if match not in ("NotOlderThan", "Exact"):
+                problems.append(
+                    errors.FieldError.not_supported(
+                        "resourceVersionMatch", match, ("Exact", "NotOlderThan", "")
+                    )
+                )
+            if match == "Exact" and query.get("resourceVersion") == "0":
+                forbidden(
+                    "resourceVersionMatch",
+                    'resourceVersionMatch "exact" is forbidden for resourceVersion "0"',
+                )
+        if initial_events:
+            forbidden("sendInitialEvents", "sendInitialEvents is forbidden for list")
     if problems:
         raise errors.invalid_options("ListOptions", problems)
 

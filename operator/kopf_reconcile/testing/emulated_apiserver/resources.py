@@ -119,27 +119,14 @@ def _storage_hash(resource: ResourceType) -> str:
     return base64.b64encode(hashlib.sha256(seed).digest()[:8]).decode()
 
 
-def _lease(version: str) -> ResourceType:
-    return ResourceType(
-        group="coordination.k8s.io",
-        version=version,
-        plural="leases",
-        singular="",
-        kind="Lease",
-        namespaced=True,
-        create_on_update=True,
-        storage_version="v1beta1",  # v1.20 still stores Leases as v1beta1
-    )
-
-
-#: The built-in kinds. As in kube-apiserver v1.20, their ``singularName`` is empty (clients
-#: derive it from the kind) and their storage versions name the ``storageVersionHash``.
+#: The built-in kinds, with their singular names and storage versions (which name the
+#: ``storageVersionHash``) as kube-apiserver v1.37 reports them.
 BUILTIN_TYPES: tuple[ResourceType, ...] = (
     ResourceType(
         group="",
         version="v1",
         plural="namespaces",
-        singular="",
+        singular="namespace",
         kind="Namespace",
         namespaced=False,
         short_names=("ns",),
@@ -152,7 +139,7 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         group="",
         version="v1",
         plural="events",
-        singular="",
+        singular="event",
         kind="Event",
         namespaced=True,
         short_names=("ev",),
@@ -164,7 +151,7 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         group="",
         version="v1",
         plural="configmaps",
-        singular="",
+        singular="configmap",
         kind="ConfigMap",
         namespaced=True,
         short_names=("cm",),
@@ -175,26 +162,34 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         group="",
         version="v1",
         plural="secrets",
-        singular="",
+        singular="secret",
         kind="Secret",
         namespaced=True,
         unconditional_update=True,
         storage_version="v1",
     ),
-    _lease("v1"),
-    _lease("v1beta1"),  # the same objects, the same schema
+    ResourceType(
+        group="coordination.k8s.io",
+        version="v1",
+        plural="leases",
+        singular="lease",
+        kind="Lease",
+        namespaced=True,
+        create_on_update=True,
+        storage_version="v1",
+    ),
     ResourceType(
         group="apiextensions.k8s.io",
         version="v1",
         plural="customresourcedefinitions",
-        singular="",
+        singular="customresourcedefinition",
         kind="CustomResourceDefinition",
         namespaced=False,
         short_names=("crd", "crds"),
         categories=("api-extensions",),
         status_subresource=True,
         tracks_generation=True,
-        storage_version="v1beta1",  # v1.20 still stores CRDs as v1beta1
+        storage_version="v1",
     ),
 )
 

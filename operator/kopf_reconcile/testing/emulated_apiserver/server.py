@@ -11,7 +11,7 @@ parameters are those clients send (``watch``, ``resourceVersion``,
 ``timeoutSeconds``, ``allowWatchBookmarks``, ``dryRun``, ``fieldValidation``,
 ``fieldManager``, ``force``). Watches stream newline-delimited JSON events.
 
-Reads at a ``resourceVersion`` behave as kube-apiserver v1.20's: a list or get at a version
+Reads at a ``resourceVersion`` behave as kube-apiserver v1.37's: a list or get at a version
 the store has not reached waits up to 3 s for it, then answers 504 (clients retry); an exact
 list (``resourceVersionMatch=Exact``, or a ``limit`` with a ``resourceVersion`` and no match
 rule) and every page after the first (its ``continue`` token) read the state at their
@@ -94,7 +94,10 @@ class ApiServer:
         self.api = api
         self.faults = faults
         self.watches = WatchStreams(
-            api.store, bookmark_interval=bookmark_interval, watch_timeout=watch_timeout
+            api.store,
+            bookmark_interval=bookmark_interval,
+            watch_timeout=watch_timeout,
+            freshness_wait=FRESHNESS_WAIT,
         )
         self.server_address = "127.0.0.1"
         self.app = web.Application(
@@ -342,7 +345,7 @@ class ApiServer:
         self, request: web.Request, resource: ResourceType, namespace: str | None
     ) -> web.StreamResponse:
         matches = self._filters(request, resource, namespace)
-        requested = request_options.resource_version(request)
+        requested = request_options.resource_version(request, listing=True)
         limit = request_options.non_negative_int(request.query.get("limit", "0"), "limit")
         token = request.query.get("continue")
         # A limit with a resourceVersion and no match rule is exact too (the legacy form).

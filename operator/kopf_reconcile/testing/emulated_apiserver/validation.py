@@ -455,7 +455,7 @@ def validate_metadata(resource: ResourceType, obj: Object) -> list[FieldError]:
 def validate_metadata_update(obj: Object, current: Object) -> list[FieldError]:
     """What an update may not change in the metadata: no new finalizers once deleting.
 
-    kube-apiserver v1.20 checks the metadata of an update twice (the generic registry,
+    kube-apiserver v1.37 checks the metadata of an update twice (the generic registry,
     then the kind's own update validation), so the one problem comes back as two causes;
     the message names it once (Go's ErrorList.ToAggregate drops repeated messages).
     """
@@ -484,10 +484,9 @@ def validate_lease(obj: Object) -> list[FieldError]:
         )
     transitions = spec.get("leaseTransitions")
     if transitions is not None and transitions < 0:
-        # kube-apiserver v1.20's own words (ValidateLeaseSpec), grammar included.
         problems.append(
             FieldError.invalid(
-                "spec.leaseTransitions", transitions, "must to greater or equal than 0"
+                "spec.leaseTransitions", transitions, "must be greater than or equal to 0"
             )
         )
     return problems
@@ -499,7 +498,7 @@ _EVENT_MESSAGE_LIMIT = 1024
 
 
 def validate_event(obj: Object) -> list[FieldError]:
-    """kube-apiserver v1.20's rules for core v1 Events.
+    """kube-apiserver v1.37's rules for core v1 Events.
 
     An old-style Event (no ``eventTime``, as kopf and client-go's recorder post) must be about
     an object of its own namespace; without an ``involvedObject.namespace`` it may only live
@@ -520,8 +519,8 @@ def validate_event(obj: Object) -> list[FieldError]:
         problems.append(mismatch)
     controller = obj.get("reportingComponent") or ""
     if not controller:
-        problems.append(FieldError.required("reportingController"))
-    problems.extend(_validate_qualified_name(controller, "reportingController"))
+        problems.append(FieldError.required("reportingComponent"))
+    problems.extend(_validate_qualified_name(controller, "reportingComponent"))
     instance = obj.get("reportingInstance") or ""
     if not instance:
         problems.append(FieldError.required("reportingInstance"))

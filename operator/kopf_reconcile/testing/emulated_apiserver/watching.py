@@ -4,6 +4,11 @@ A watch first sends the current state (or, from a ``resourceVersion``, the chang
 it, rewound from the store's history; an expired version is an ``ERROR`` event inside a
 200 stream, as kube-apiserver answers), then every change, with ``BOOKMARK`` events when
 the client allows them, until ``timeoutSeconds`` (or the server's own watch timeout).
+
+``sendInitialEvents`` (WatchList) says it outright: ``true`` sends the state at a version
+not older than ``resourceVersion`` (waiting for it, as a read does), then a ``BOOKMARK``
+annotated ``k8s.io/initial-events-end`` when bookmarks are allowed; ``false`` sends only
+the changes after ``resourceVersion`` (from now when there is none).
 Open streams are tracked so that the admin API can cut them abruptly (a dropped
 connection) and a shutdown can end them cleanly.
 """
@@ -22,6 +27,9 @@ from kopf_reconcile.testing.emulated_apiserver.resources import ResourceType
 from kopf_reconcile.testing.emulated_apiserver.responses import as_served, dumps
 from kopf_reconcile.testing.emulated_apiserver.store import Object, Store, Watcher, WatchEvent
 
+#: The annotation of the bookmark that ends a WatchList's initial events.
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
+
 
 @dataclass(eq=False)
 class WatchStream:
@@ -35,10 +43,18 @@ class WatchStream:
 class WatchStreams:
     """The open watch streams of one server over one store."""
 
-    def __init__(self, store: Store, *, bookmark_interval: float, watch_timeout: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        bookmark_interval: float,
+        watch_timeout: float,
+        freshness_wait: float,
+    ) -> None:
         self.store = store
         self.bookmark_interval = bookmark_interval
         self.watch_timeout = watch_timeout
+        self.freshness_wait = freshness_wait
         self.streams: set[WatchStream] = set()
 
     async def serve(
@@ -49,7 +65,12 @@ class WatchStreams:
         matches: Callable[[Object], bool],
     ) -> web.StreamResponse:
         """Stream the events of ``resource`` objects that ``matches`` until the watch ends."""
-        since = request_options.resource_version(request) or None
+        requested = request_options.resource_version(request)
+        since = requested or None
+        initial_events = request.query.get("sendInitialEvents")
+        if initial_events is not None:
+            # WatchList: the state not older than the version, or only the changes after it.
+            since = None if request_options.flag(initial_events) else since
         timeout = float(
             request_options.non_negative_int(
                 request.query.get("timeoutSeconds", "0"), "timeoutSeconds"
@@ -59,25 +80,37 @@ class WatchStreams:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         store = self.store
+        send_state = since is None and (
+            initial_events is None or request_options.flag(initial_events)
+        )
         try:
+            waits = send_state and requested and initial_events is not None
+            if waits and not await store.wait_for_revision(requested, self.freshness_wait):
+                raise errors.too_large_resource_version(requested, store.revision)
             initial, watcher = store.watch(resource.storage_key, matches, since)
         except errors.ApiError as error:
-            # kube-apiserver answers an expired resourceVersion inside the stream, with 200.
+            # kube-apiserver answers an expired or a future resourceVersion inside the
+            # stream, with 200.
             await response.prepare(request)
             await response.write(dumps({"type": "ERROR", "object": error.status()}) + b"\n")
             await response.write_eof()
             return response
-        if since is None:  # the current state first, as synthetic ADDED events
+        if send_state:  # the current state first, as synthetic ADDED events
             initial = [
                 WatchEvent("ADDED", obj)
                 for obj in store.items(resource.storage_key, namespace)
                 if matches(obj)
             ]
+        snapshot = store.revision  # what the initial events show: nothing awaited since
         stream = WatchStream(request.path, watcher)
         self.streams.add(stream)
         try:
             await response.prepare(request)
             await self._write_events(response, resource, initial)
+            if initial_events is not None and send_state and bookmarks:
+                await self._write_bookmark(
+                    response, resource, snapshot, {INITIAL_EVENTS_END: "true"}
+                )
             await self._pump(response, resource, watcher, timeout or self.watch_timeout, bookmarks)
             if stream.cut and request.transport is not None:
                 request.transport.abort()  # an abrupt end, like a dropped connection
@@ -113,13 +146,22 @@ class WatchStreams:
                 pass
             await self._write_events(response, resource, watcher.drain())
             if bookmarks and loop.time() >= next_bookmark:
-                bookmark = {
-                    "kind": resource.kind,
-                    "apiVersion": resource.api_version,
-                    "metadata": {"resourceVersion": str(self.store.revision)},
-                }
-                await response.write(dumps({"type": "BOOKMARK", "object": bookmark}) + b"\n")
+                await self._write_bookmark(response, resource, self.store.revision)
                 next_bookmark = loop.time() + self.bookmark_interval
+
+    async def _write_bookmark(
+        self,
+        response: web.StreamResponse,
+        resource: ResourceType,
+        revision: int,
+        annotations: dict[str, str] | None = None,
+    ) -> None:
+        """A BOOKMARK at ``revision``: every event up to it has been written before."""
+        metadata: dict[str, object] = {"resourceVersion": str(revision)}
+        if annotations:
+            metadata["annotations"] = annotations
+        bookmark = {"kind": resource.kind, "apiVersion": resource.api_version, "metadata": metadata}
+        await response.write(dumps({"type": "BOOKMARK", "object": bookmark}) + b"\n")
 
     async def _write_events(
         self, response: web.StreamResponse, resource: ResourceType, events: list[WatchEvent]
