@@ -91,7 +91,14 @@ from kopf_reconcile.fencing.protocol import (
     LoopBoundRepository,
     StaleEpochError,
 )
-from kopf_reconcile.fencing.writer import bind_writer, mint_writer, unbind_writer
+from kopf_reconcile.fencing.writer import (
+    ReconcileLease,
+    bind_lease,
+    bind_writer,
+    mint_writer,
+    unbind_lease,
+    unbind_writer,
+)
 from kopf_reconcile.leader.protocol import FloorAwareElector, LeaseToken
 from kopf_reconcile.metrics import BoundMetrics
 from kopf_reconcile.tenancy import MalformedEntityId, Tenancy
@@ -457,10 +464,12 @@ class Loop:
         started = clock()
         self._running[entity] = task
         writer_token = None
+        epoch = self._epoch()
+        lease_token = bind_lease(ReconcileLease(epoch, self._lease_is_live))
         repo = self._config.fenced_repo
         if repo is not None:
             writer_token = bind_writer(
-                mint_writer(repo, self._epoch(), self._lease_is_live, self._count_fenced_write)
+                mint_writer(repo, epoch, self._lease_is_live, self._count_fenced_write)
             )
         try:
             if self._tenant_scoped and entity != RESYNC_ALL:
@@ -497,6 +506,7 @@ class Loop:
         finally:
             if writer_token is not None:
                 unbind_writer(writer_token)
+            unbind_lease(lease_token)
             del self._running[entity]
             if self._metrics_enabled:
                 metrics = self._metrics

@@ -89,6 +89,7 @@ another name that says nothing of its purpose) needs an explicit
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -96,7 +97,7 @@ import functools
 import inspect
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 import kopf
@@ -116,8 +117,23 @@ from kopf_reconcile.config import DEFAULT_INTERVAL, LoopConfig, validate_name
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.integration import settings as process_settings
 from kopf_reconcile.integration.events import KubernetesEventSink
+from kopf_reconcile.integration.finalizers import (
+    FinalizerWriter,
+    finalizer_name,
+    finished,
+    has_finalizer,
+    is_deleting,
+)
 from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX, install_quiet_event_handlers
 from kopf_reconcile.integration.naming import derived_reconciler_id, is_generic_name
+from kopf_reconcile.integration.related import (
+    Owns,
+    Related,
+    RelatedObjects,
+    Watches,
+    parse_related,
+    serving_related,
+)
 from kopf_reconcile.integration.relisting import ListingTracker
 from kopf_reconcile.leader.protocol import LeaderElector
 from kopf_reconcile.loop import Loop
@@ -226,6 +242,8 @@ class _Options:
     events: bool = True  # Kubernetes Events on the objects (see integration.events)
     # One lease per shard (see sharded_loop); one shard: not sharded.
     shards: ShardAssignment = dataclasses.field(default_factory=lambda: ShardAssignment(1))
+    related: tuple[Related, ...] = ()  # owned and watched resources (see related)
+    finalizer: str | None = None  # the finalizer's name (see finalizers)
 
 
 class _Registration:
@@ -237,12 +255,15 @@ class _Registration:
         self.registry = registry
         self.loop: Loop | None = None
         self.cache: ObjectCache | None = None
+        self.related: RelatedObjects | None = None
+        self.finalizers: FinalizerWriter | None = None
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
         self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
         # The kopf settings of the operator that started this reconciler: its watch
         # streams feed this reconciler directly (see _install_relist_sweep).
         self.settings: object | None = None
-        self.feeding_streams = 0  # kopf watch streams that feed it now
+        # kopf watch streams that feed it now, per (group, plural) they watch.
+        self.feeding_streams: collections.Counter[tuple[str, str]] = collections.Counter()
 
     @property
     def reconciler_id(self) -> str:
@@ -264,6 +285,14 @@ class _Registration:
             id=f"{prefix}/events",
             registry=reg,
         )(self.on_kopf_event)
+        for related in o.related:
+            kopf.on.event(
+                group=related.group or None,
+                version=related.version,
+                plural=related.plural,
+                id=f"{prefix}/related/{'.'.join(filter(None, related.key[::-1]))}",
+                registry=reg,
+            )(functools.partial(self.on_kopf_related_event, related.key))
 
     # -- kopf handlers -----------------------------------------------------------------
 
@@ -281,6 +310,10 @@ class _Registration:
             if elector is not None or o.fenced is not FROM_SETTINGS:
                 repository = await self._resolve("fenced", o.fenced, config.build_fenced_repository)
             cache = ObjectCache(transform=o.cache_transform)
+            related = RelatedObjects(o.related, o.cache_transform)
+            if o.finalizer is not None:
+                self.finalizers = FinalizerWriter(o.finalizer, o.group, o.version, o.plural)
+                self._owned.append(self.finalizers)
             builder = (
                 Builder(self.reconcile, o.tenancy)
                 .with_trigger(cache)
@@ -311,11 +344,12 @@ class _Registration:
                 builder.with_events(sink)
             loop = builder.build()
             self.cache = cache
+            self.related = related
             await loop.start()
             self.loop = loop
             self.settings = settings  # from now on its watch streams feed the cache
         except BaseException:
-            self.cache = None
+            self.cache = self.related = self.finalizers = None
             await self._close_owned()
             raise
         logger.info(
@@ -355,7 +389,7 @@ class _Registration:
             if loop is not None:
                 await loop.stop()
         finally:
-            self.cache = None
+            self.cache = self.related = self.finalizers = None
             await self._close_owned()
 
     async def probe(self, **_: Any) -> dict[str, object]:
@@ -363,8 +397,21 @@ class _Registration:
 
     async def on_kopf_event(self, event: Mapping[str, Any], **_: Any) -> None:
         """kopf's on.event handler: only for events its watch stream did not deliver."""
-        if not self.feeding_streams:
+        if not self.feeding_streams[(self.options.group, self.options.plural)]:
             await self.on_event(event)
+
+    async def on_kopf_related_event(
+        self, key: tuple[str, str], event: Mapping[str, Any], **_: Any
+    ) -> None:
+        """kopf's on.event handler of a related resource (as :meth:`on_kopf_event`)."""
+        if not self.feeding_streams[key]:
+            await self.on_related_event(key, event)
+
+    async def on_related_event(self, key: tuple[str, str], event: Mapping[str, Any]) -> None:
+        """One watch event of an owned or watched resource: requests for its owners."""
+        cache, related = self.cache, self.related
+        if cache is not None and related is not None:
+            await related.on_event(key, event, cache)
 
     async def on_event(self, event: Mapping[str, Any], **_: Any) -> None:
         """One watch event: store (or drop) the body in the cache, request a reconcile."""
@@ -389,6 +436,19 @@ class _Registration:
         else:  # this incarnation left the selection: to the reconciler it is gone
             await cache.forget(entity_id, body)  # (not deleted: it may match again)
 
+    def watches(self, key: tuple[str, str], version: str | None = None) -> bool:
+        """Whether this reconciler watches resource ``key`` (at ``version``, when given)."""
+        o = self.options
+        versions = [o.version] if key == (o.group, o.plural) else []
+        versions += [r.version for r in o.related if r.key == key]
+        return bool(versions) and (version is None or version in versions)
+
+    def feeder(self, key: tuple[str, str]) -> Feeder:
+        """What takes the events of resource ``key``'s watch stream for this reconciler."""
+        if key == (self.options.group, self.options.plural):
+            return self.reconciler_id, self.on_event
+        return self.reconciler_id, functools.partial(self.on_related_event, key)
+
     # -- the reconcile the Loop calls ----------------------------------------------------
 
     async def reconcile(self, req: Request) -> object:
@@ -398,8 +458,28 @@ class _Registration:
         if req.entity_id == RESYNC_ALL:
             cache.request_resync()
             return None
-        with serving(cache):
-            return await self.fn(req)  # the Loop checks what it returns
+        with serving(cache), serving_related(self.related or RelatedObjects((), None), cache):
+            finalizers = self.finalizers
+            if finalizers is None:
+                return await self.fn(req)  # the Loop checks what it returns
+            return await self._reconcile_finalized(req, cache, finalizers)
+
+    async def _reconcile_finalized(
+        self, req: Request, cache: ObjectCache, finalizers: FinalizerWriter
+    ) -> object:
+        """The reconcile, with the finalizer added before it and removed after a cleanup."""
+        body = cache.get(req.entity_id)
+        if body is not None and not is_deleting(body) and not has_finalizer(body, finalizers.name):
+            await finalizers.add(body)  # before anything the reconciler creates
+        outcome = await self.fn(req)
+        if (
+            body is not None
+            and is_deleting(body)
+            and has_finalizer(body, finalizers.name)
+            and finished(outcome)
+        ):
+            await finalizers.remove(body)
+        return outcome
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -530,6 +610,9 @@ def reconciler(
     generation_changed: bool = False,
     shards: int = 1,
     shard_by_namespace: bool = False,
+    owns: Iterable[Owns | tuple[str, str, str]] | None = None,
+    watches: Iterable[Watches] | None = None,
+    finalizer: bool | str | None = None,
     registry: Any = None,
 ) -> Callable[[F], F]:
     """Register the decorated reconciler for ``group/version/plural`` objects with kopf.
@@ -572,6 +655,16 @@ def reconciler(
       replicas reconcile at once (default 1: one leader; see
       :mod:`kopf_reconcile.sharded_loop`); ``shard_by_namespace``: assign whole
       namespaces to shards instead of single objects. Needs a leader.
+    * ``owns``: child resources (``kr.Owns(group, version, plural, labels=...)`` or a
+      ``(group, version, plural)`` tuple): an event of an object whose controller owner
+      reference points to a reconciled object reconciles that object; ``kr.owned(req)``
+      returns its cached children. ``watches``: ``kr.Watches(group, version, plural,
+      map_to)``: an event of such an object reconciles the entity ids ``map_to(body)``
+      returns (see :mod:`kopf_reconcile.integration.related`).
+    * ``finalizer``: True (named ``<group>/<reconciler_id>``) or a finalizer name: added
+      before an object's first reconcile, removed once the reconciler returned without an
+      error for the deleting object (see :mod:`kopf_reconcile.integration.finalizers`).
+      Default None: no finalizer.
     * ``registry``: a kopf ``OperatorRegistry`` (default: kopf's default registry).
     """
     for option, value in (("version", version), ("plural", plural)):
@@ -592,6 +685,7 @@ def reconciler(
     if not isinstance(generation_changed, bool):
         raise ConfigError(f"generation_changed must be True or False, got {generation_changed!r}")
     assignment = ShardAssignment(validate_shards(shards), shard_by_namespace)
+    related = parse_related(owns, watches, (group, plural))
     if assignment.shards > 1 and leader is None:
         raise ConfigError(
             f"shards={shards} requires a leader: each shard is led under a lease of its own"
@@ -648,6 +742,8 @@ def reconciler(
             generation_changed=generation_changed,
             ambiguous=reconciler_id is None and is_generic_name(controller),
             shards=assignment,
+            related=related,
+            finalizer=finalizer_name(finalizer, group, rid),
         )
         registration = _Registration(reconcile_fn, options, real_registry)
         if leader is not None and leader is not FROM_SETTINGS:
@@ -706,11 +802,8 @@ def _install_relist_sweep() -> None:
         *, resource: Any, settings: Any = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
         stream = original(resource=resource, settings=settings, **kwargs)
-        reconcilers = [
-            r
-            for r in _registrations
-            if r.options.group == resource.group and r.options.plural == resource.plural
-        ]
+        key = (resource.group, resource.plural)
+        reconcilers = [r for r in _registrations if r.watches(key)]
         # The reconcilers of the operator running this stream, started: fed from here.
         # Not on the streams kopf's own observers read (namespaces for a namespace glob,
         # CRDs for resources that appear later): those must reach kopf whole, so there
@@ -720,9 +813,10 @@ def _install_relist_sweep() -> None:
             for r in reconcilers
             if settings is not None
             and r.settings is settings
-            and r.options.version == getattr(resource, "version", r.options.version)
-            and (resource.group, resource.plural) not in _OBSERVED_BY_KOPF
+            and r.watches(key, getattr(resource, "version", None))
+            and key not in _OBSERVED_BY_KOPF
         ]
+        feeders = [r.feeder(key) for r in fed]
         # Without other kopf handlers of the resource, kopf need not see the events at all.
         alone = bool(fed) and not any(_kopf_handles(r.registry, resource) for r in fed)
         async with contextlib.aclosing(stream):
@@ -733,23 +827,23 @@ def _install_relist_sweep() -> None:
             # Kept for the sweep: the last bodies for kopf's handlers, else identities only.
             tracker = ListingTracker(whole_bodies=not alone)
             for registration in fed:
-                registration.feeding_streams += 1
+                registration.feeding_streams[key] += 1
             try:
                 async for item in stream:
                     if item is listed_marker:
                         for deleted in tracker.listed():
-                            await _feed(fed, deleted)
+                            await _feed(feeders, deleted)
                             if not alone:
                                 yield deleted
                     elif isinstance(item, Mapping):
                         tracker.observe(item)
-                        await _feed(fed, item)
+                        await _feed(feeders, item)
                         if alone:
                             continue
                     yield item
             finally:
                 for registration in fed:
-                    registration.feeding_streams -= 1
+                    registration.feeding_streams[key] -= 1
 
     infinite_watch._kopf_reconcile_sweeps = True  # type: ignore[attr-defined]
     watching.infinite_watch = infinite_watch
@@ -780,15 +874,16 @@ def _kopf_handles(registry: Any, resource: Any) -> bool:
     return False
 
 
-async def _feed(registrations: list[_Registration], event: Mapping[str, Any]) -> None:
+Feeder: TypeAlias = tuple[str, Callable[[Mapping[str, Any]], Awaitable[None]]]
+
+
+async def _feed(feeders: list[Feeder], event: Mapping[str, Any]) -> None:
     """One watch event to each reconciler fed by this stream; a failure is logged, not raised."""
-    for registration in registrations:
+    for reconciler_id, feed in feeders:
         try:
-            await registration.on_event(event)
+            await feed(event)
         except Exception:
-            logger.exception(
-                "reconciler %s could not take a watch event", registration.reconciler_id
-            )
+            logger.exception("reconciler %s could not take a watch event", reconciler_id)
 
 
 def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:

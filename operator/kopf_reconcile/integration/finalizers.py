@@ -1,0 +1,201 @@
+"""Finalizers: cleanup that a deletion cannot skip.
+
+With ``finalizer=True`` (or a finalizer name) on ``@kr.reconciler``, the kopf shim
+
+* **adds** the finalizer to an object before the first reconcile of it (a JSON patch,
+  conditional on the object's uid, and on its ``resourceVersion`` when it has no
+  finalizers yet, so no other writer's finalizer is ever overwritten). Until that write
+  succeeds the reconciler is not called: whatever it creates for the object is covered
+  by the finalizer. Only objects the reconciler selects are reconciled, so objects it
+  never selected never get the finalizer; an object already being deleted cannot get a
+  new finalizer (the API server refuses it) and is reconciled without one;
+* lets a **deleting** object (``metadata.deletionTimestamp`` set, the finalizer still
+  there) reach the reconciler like any other change: :func:`is_deleting` tells it apart;
+* **removes** the finalizer only after the reconciler returned without an error and
+  without asking to be called again (``None`` or a ``Result`` without
+  ``requeue_after``): a ``requeue_after`` means "not finished", an error is retried with
+  backoff, and a :class:`~kopf_reconcile.PermanentError` dead-letters the object (its
+  Warning Event, its row in ``kopf-reconcile dead-letters``) and keeps the finalizer
+  until a fresh trigger (a change of the object, a redrive) succeeds. The removal is a
+  fenced API write: it is refused before it is sent, as a
+  :class:`~kopf_reconcile.FencedWriter` write is, when the lease the reconcile was
+  dispatched under is no longer held (a :class:`~kopf_reconcile.StaleEpochError`: the
+  Loop steps down, and the next leader's resync reconciles the object again). The patch
+  removes the finalizer at the index where it was seen, tested there and on the uid.
+
+Once the last finalizer is gone the API server deletes the object; its DELETED event
+reaches the reconciler once more with ``kr.cached(req) is None``: cleanup must be
+idempotent (it is anyway: a reconcile may run again after a failover).
+
+The default name is ``<group>/<reconciler id>`` (``kopf-reconcile/<reconciler id>`` for the
+core group). After removing the option, strip the finalizers it added (the operator no
+longer does), for example::
+
+    kubectl get websites -A -o name | xargs -r -n1 kubectl patch --type=json \\
+      -p '[{"op": "remove", "path": "/metadata/finalizers/0"}]'
+
+(that removes the first finalizer: check ``-o jsonpath='{.metadata.finalizers}'`` first
+when objects carry other finalizers too).
+
+RBAC: ``patch`` on the reconciled resource itself (the chart's ``watch[].finalizer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes_asyncio.client import ApiClient
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from kopf_reconcile.api import ConfigError, Result
+from kopf_reconcile.fencing.protocol import StaleEpochError
+from kopf_reconcile.fencing.writer import reconcile_lease
+from kopf_reconcile.leader.kubernetes import connect_api
+
+__all__ = ["FinalizerWriter", "finalizer_name", "has_finalizer", "is_deleting"]
+
+logger = logging.getLogger("kopf_reconcile.finalizers")
+
+HTTP_NOT_FOUND = 404
+_JSON_PATCH = "application/json-patch+json"
+# A qualified name: an optional DNS-subdomain prefix and '/', then a name of 63 at most.
+_QUALIFIED = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+
+
+def is_deleting(body: Mapping[str, Any] | None) -> bool:
+    """Whether the object is gone (``None``) or being deleted (``deletionTimestamp`` set).
+
+    Inside a reconcile: ``if kr.is_deleting(kr.cached(req)): ...clean up...``.
+    """
+    if body is None:
+        return True
+    return bool((body.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def has_finalizer(body: Mapping[str, Any], name: str) -> bool:
+    return name in ((body.get("metadata") or {}).get("finalizers") or ())
+
+
+def finalizer_name(option: object, group: str, reconciler_id: str) -> str | None:
+    """The decorator's ``finalizer=`` as a finalizer name (None: no finalizer)."""
+    if option is None or option is False:
+        return None
+    if option is True:
+        return f"{group or 'kopf-reconcile'}/{reconciler_id}"
+    if not isinstance(option, str) or len(option) > 316 or not _QUALIFIED.match(option):
+        raise ConfigError(
+            "finalizer must be True, False, None or a qualified name such as "
+            f"'example.com/cleanup' (an optional DNS prefix, '/', a name of at most 63 "
+            f"characters), got {option!r}"
+        )
+    return option
+
+
+def finished(outcome: object) -> bool:
+    """Whether a reconcile's outcome says the cleanup is done (no error, no requeue)."""
+    return outcome is None or (isinstance(outcome, Result) and not outcome.requeue_after)
+
+
+class FinalizerWriter:
+    """Adds and removes one finalizer on the objects of one resource, fenced by the lease."""
+
+    def __init__(
+        self,
+        name: str,
+        group: str,
+        version: str,
+        plural: str,
+        *,
+        api: ApiClient | None = None,
+        kubeconfig: str | None = None,
+    ) -> None:
+        self.name = name
+        prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
+        self._prefix = prefix
+        self._plural = plural
+        self._api = api
+        self._owns_api = api is None
+        self._kubeconfig = kubeconfig
+        self._connecting = asyncio.Lock()
+
+    async def add(self, body: Mapping[str, Any]) -> None:
+        """Add the finalizer (before the object's first reconcile)."""
+        metadata = body.get("metadata") or {}
+        if metadata.get("finalizers"):
+            patch: list[dict[str, Any]] = [
+                {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")},
+                {"op": "add", "path": "/metadata/finalizers/-", "value": self.name},
+            ]
+        else:  # no list yet: the list is created, only over the version seen
+            patch = [
+                {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")},
+                {
+                    "op": "test",
+                    "path": "/metadata/resourceVersion",
+                    "value": metadata.get("resourceVersion"),
+                },
+                {"op": "add", "path": "/metadata/finalizers", "value": [self.name]},
+            ]
+        await self._patch(body, patch, "add")
+
+    async def remove(self, body: Mapping[str, Any]) -> None:
+        """Remove the finalizer (after a successful cleanup), at the index it was seen."""
+        metadata = body.get("metadata") or {}
+        index = list(metadata.get("finalizers") or ()).index(self.name)
+        path = f"/metadata/finalizers/{index}"
+        patch: list[dict[str, Any]] = [
+            {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")},
+            {"op": "test", "path": path, "value": self.name},
+            {"op": "remove", "path": path},
+        ]
+        await self._patch(body, patch, "remove")
+
+    async def _patch(self, body: Mapping[str, Any], patch: list[dict[str, Any]], verb: str) -> None:
+        metadata = body.get("metadata") or {}
+        namespace, name = metadata.get("namespace"), metadata.get("name")
+        lease = reconcile_lease()
+        if lease is not None and not lease.is_live():
+            raise StaleEpochError(
+                f"finalizer {verb} on {namespace}/{name} refused locally: the lease of epoch "
+                f"{lease.epoch} is no longer held by this process"
+            )
+        where = f"{self._prefix}/namespaces/{namespace}" if namespace else self._prefix
+        api = await self._client()
+        try:
+            await api.call_api(
+                f"{where}/{self._plural}/{name}",
+                "PATCH",
+                header_params={"Content-Type": _JSON_PATCH, "Accept": "application/json"},
+                body=patch,
+                auth_settings=["BearerToken"],
+                response_types_map={200: "object"},
+                _return_http_data_only=True,
+            )
+        except ApiException as exc:
+            if exc.status == HTTP_NOT_FOUND and verb == "remove":
+                return  # gone already: nothing is left to hold
+            raise
+        logger.debug("finalizer %s: %s on %s/%s", self.name, verb, namespace, name)
+
+    async def close(self) -> None:
+        """Close the client if it was made here."""
+        api, self._api = self._api, None
+        if api is not None and self._owns_api:
+            await api.close()
+
+    async def _client(self) -> ApiClient:
+        async with self._connecting:
+            if self._api is None:
+                self._api = await connect_api(self._kubeconfig)
+                self._owns_api = True
+            return self._api
+
+    def __repr__(self) -> str:
+        return f"<FinalizerWriter {self.name!r} on {self._plural}>"
