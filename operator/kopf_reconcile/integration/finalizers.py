@@ -42,7 +42,6 @@ RBAC: ``patch`` on the reconciled resource itself (the chart's ``watch[].finaliz
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import Mapping
@@ -54,7 +53,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kopf_reconcile.api import ConfigError, Result
 from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.fencing.writer import reconcile_lease
-from kopf_reconcile.leader.kubernetes import connect_api
+from kopf_reconcile.integration.api_client import LazyApiClient
 
 __all__ = ["FinalizerWriter", "finalizer_name", "has_finalizer", "is_deleting"]
 
@@ -120,10 +119,7 @@ class FinalizerWriter:
         prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
         self._prefix = prefix
         self._plural = plural
-        self._api = api
-        self._owns_api = api is None
-        self._kubeconfig = kubeconfig
-        self._connecting = asyncio.Lock()
+        self._client = LazyApiClient(api, kubeconfig)
 
     async def add(self, body: Mapping[str, Any]) -> None:
         """Add the finalizer (before the object's first reconcile)."""
@@ -167,7 +163,7 @@ class FinalizerWriter:
                 f"{lease.epoch} is no longer held by this process"
             )
         where = f"{self._prefix}/namespaces/{namespace}" if namespace else self._prefix
-        api = await self._client()
+        api = await self._client.get()
         try:
             await api.call_api(
                 f"{where}/{self._plural}/{name}",
@@ -186,16 +182,7 @@ class FinalizerWriter:
 
     async def close(self) -> None:
         """Close the client if it was made here."""
-        api, self._api = self._api, None
-        if api is not None and self._owns_api:
-            await api.close()
-
-    async def _client(self) -> ApiClient:
-        async with self._connecting:
-            if self._api is None:
-                self._api = await connect_api(self._kubeconfig)
-                self._owns_api = True
-            return self._api
+        await self._client.close()
 
     def __repr__(self) -> str:
         return f"<FinalizerWriter {self.name!r} on {self._plural}>"

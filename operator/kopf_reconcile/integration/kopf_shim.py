@@ -278,21 +278,22 @@ class _Registration:
         kopf.on.cleanup(id=f"{prefix}/cleanup", registry=reg)(self.cleanup)
         # A probe that raises would make kopf's liveness endpoint hang: never retry it.
         kopf.on.probe(id=prefix, errors=permanent, registry=reg)(self.probe)
-        kopf.on.event(
-            group=o.group or None,
-            version=o.version,
-            plural=o.plural,
-            id=f"{prefix}/events",
-            registry=reg,
-        )(self.on_kopf_event)
-        for related in o.related:
+        watched: list[tuple[str, str, str, str, Callable[..., Any]]] = [
+            (o.group, o.version, o.plural, "events", self.on_kopf_event)
+        ]
+        for r in o.related:
+            on_related = functools.partial(self.on_kopf_related_event, r.key)
+            watched.append(
+                (r.group, r.version, r.plural, f"related/{r.plural}.{r.group}", on_related)
+            )
+        for group, version, plural, suffix, handler in watched:
             kopf.on.event(
-                group=related.group or None,
-                version=related.version,
-                plural=related.plural,
-                id=f"{prefix}/related/{'.'.join(filter(None, related.key[::-1]))}",
+                group=group or None,
+                version=version,
+                plural=plural,
+                id=f"{prefix}/{suffix}",
                 registry=reg,
-            )(functools.partial(self.on_kopf_related_event, related.key))
+            )(handler)
 
     # -- kopf handlers -----------------------------------------------------------------
 

@@ -60,18 +60,14 @@ class Owns:
     group: str
     version: str
     plural: str
-    labels: Mapping[str, str] | None = None
+    labels: Mapping[str, str] | None = dataclasses.field(default=None, kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
-class Watches:
+class Watches(Owns):
     """Objects of ``group/version/plural`` whose changes reconcile what ``map_to`` returns."""
 
-    group: str
-    version: str
-    plural: str
     map_to: MapTo
-    labels: Mapping[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +98,7 @@ def parse_related(
     related: list[Related] = []
     for entry in _listed("owns", owns):
         item = Owns(*entry) if isinstance(entry, tuple) and len(entry) == 3 else entry
-        if not isinstance(item, Owns):
+        if not isinstance(item, Owns) or isinstance(item, Watches):
             raise ConfigError(
                 f"owns entries must be kr.Owns(group, version, plural) or a "
                 f"(group, version, plural) tuple, got {item!r}"
