@@ -5,36 +5,18 @@ when deleted by hand; a Website deleted while no replica runs is cleaned up afte
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import asyncpg
 import pytest
 import pytest_asyncio
-import yaml
-from operator_e2e import CRDS, ROOT, Operators
+from operator_e2e import WEBSITES, Operators, read_object
 
 from support import eventually
 
 pytestmark = pytest.mark.slow
 
-WEBSITES = ROOT / "operator" / "examples" / "websites.py"
-WEBSITES_CRD = ROOT / "crds" / "websites.yaml"
 FINALIZER = "example.com/websites.example.com-reconcile-website"
-
-
-@pytest_asyncio.fixture
-async def websites_crd(http: aiohttp.ClientSession) -> None:
-    crd = yaml.safe_load(WEBSITES_CRD.read_text())
-    async with http.post(CRDS, json=crd) as response:
-        assert response.status in (201, 409), await response.text()
-
-    async def discoverable() -> bool:
-        async with http.get("/apis/example.com/v1") as response:
-            resources = (await response.json()).get("resources", []) if response.ok else []
-            return any(r.get("name") == "websites" for r in resources)
-
-    await eventually(discoverable, timeout=30, interval=0.1, message="websites CRD served")
 
 
 @pytest_asyncio.fixture
@@ -49,15 +31,6 @@ async def _rows(database: asyncpg.Connection) -> dict[str, str]:
     if not exists:
         return {}
     return {r["entity"]: r["content"] for r in await database.fetch("SELECT * FROM websites")}
-
-
-async def _get(http: aiohttp.ClientSession, path: str) -> dict[str, Any] | None:
-    async with http.get(path) as response:
-        if response.status == 404:
-            return None
-        assert response.status == 200, await response.text()
-        body: dict[str, Any] = await response.json()
-        return body
 
 
 @pytest.mark.usefixtures("websites_crd")
@@ -86,14 +59,14 @@ async def test_a_website_owns_its_configmap_and_row_and_is_cleaned_up_after_a_st
         assert response.status == 201, await response.text()
 
     async def page_served() -> bool:
-        page = await _get(http, f"{pages}/flaky-page")
+        page = await read_object(http, f"{pages}/flaky-page")
         return page is not None and page["data"] == {"index.html": "<h1>hello</h1>"}
 
     await eventually(page_served, timeout=30, message="the Website's ConfigMap")
     await eventually(lambda: _has_row(database, entity), timeout=30, message="the Website's row")
-    website = await _get(http, f"{websites}/flaky")
+    website = await read_object(http, f"{websites}/flaky")
     assert website is not None and FINALIZER in website["metadata"]["finalizers"]
-    page = await _get(http, f"{pages}/flaky-page")
+    page = await read_object(http, f"{pages}/flaky-page")
     assert page is not None
     (owner,) = page["metadata"]["ownerReferences"]
     assert owner["uid"] == website["metadata"]["uid"] and owner["controller"] is True
@@ -111,7 +84,7 @@ async def test_a_website_owns_its_configmap_and_row_and_is_cleaned_up_after_a_st
     assert await operator.stop() == 0
     async with http.delete(f"{websites}/flaky") as response:
         assert response.status == 200, await response.text()
-    deleting = await _get(http, f"{websites}/flaky")
+    deleting = await read_object(http, f"{websites}/flaky")
     assert deleting is not None and deleting["metadata"].get("deletionTimestamp")
     assert entity in await _rows(database)
 
@@ -127,9 +100,9 @@ async def _has_row(database: asyncpg.Connection, entity: str) -> bool:
 
 
 async def _is_new_page(http: aiohttp.ClientSession, path: str, old_uid: str) -> bool:
-    page = await _get(http, path)
+    page = await read_object(http, path)
     return page is not None and page["metadata"]["uid"] != old_uid
 
 
 async def _gone(http: aiohttp.ClientSession, path: str) -> bool:
-    return await _get(http, path) is None
+    return await read_object(http, path) is None
