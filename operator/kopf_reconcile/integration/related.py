@@ -21,10 +21,10 @@ reconcile, or one re-run after the running one), and they are fresh triggers (a 
 they revive a dead letter).
 
 ``labels={...}`` on either selects the related objects on the client side: a child
-without those labels is neither cached nor requests anything, so a cluster's other
-ConfigMaps cost a comparison each, no memory. (The watch itself still lists and streams
-every object of the resource in the watched namespaces: kopf watches without a label
-selector.)
+without those labels (or without a controller reference) is neither cached nor requests
+anything, so a cluster's other ConfigMaps cost a comparison each, no memory. (The watch
+itself still lists and streams every object of the resource in the watched namespaces:
+kopf watches without a label selector.)
 
 Children are cached with the reconciler's cache transform, indexed by their owner's
 uid: inside a reconcile, :func:`owned` returns the cached children of the object
@@ -242,6 +242,7 @@ class RelatedObjects:
         cache = self._children[key]
         held = entity_id in cache
         reference = controller_uid(body)
+        selected = selected and reference is not None  # no controller: nobody's child
         if event.get("type") == "DELETED":
             cache.drop(entity_id, body)
             self._index(key, entity_id, None)
