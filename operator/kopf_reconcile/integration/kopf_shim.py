@@ -15,8 +15,9 @@ The decorator registers four handlers on kopf's registry for one reconciler:
   listing and DELETED included, it stores the body in the reconciler's
   :class:`~kopf_reconcile.cache.ObjectCache` and enqueues ``<namespace>/<name>``
   (``<name>`` for cluster-scoped objects). It never writes to the object: no
-  kopf progress annotations, no finalizers, so any number of replicas can
-  watch the same objects, and the reconciler reads the body with
+  kopf progress annotations, no finalizers (a reconciler with ``finalizer=`` gets its
+  one finalizer added and removed by the leader's reconciles, see below), so any
+  number of replicas can watch the same objects, and the reconciler reads the body with
   :func:`kopf_reconcile.cached`. The handler makes kopf watch the resource; the
   events themselves reach the cache straight from kopf's watch stream (see
   "Watch streams" below), and the handler then does nothing;
@@ -78,6 +79,13 @@ listing no longer holds is delivered as a DELETED event (with its last body),
 as client-go's informers do (:mod:`kopf_reconcile.integration.relisting`). The
 reconcilers, and every kopf handler of that resource in the operator when kopf sees
 its events, get those as they get real ones.
+
+Children and finalizers. ``owns=`` and ``watches=`` register an ``on.event`` handler
+per related resource too (fed from its watch stream like the reconciled resource's):
+its events reconcile their owner (:mod:`kopf_reconcile.integration.related`).
+``finalizer=`` wraps each reconcile: the finalizer is added before an object's first
+reconcile and removed, lease-checked, after a successful cleanup of the deleting object
+(:mod:`kopf_reconcile.integration.finalizers`).
 
 Reconciler ids. By default a reconciler's id (its lease name and fenced
 scope) is derived from the resource and the function's name,
