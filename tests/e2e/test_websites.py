@@ -88,11 +88,14 @@ async def test_a_website_owns_its_configmap_and_row_and_is_cleaned_up_after_a_st
     assert deleting is not None and deleting["metadata"].get("deletionTimestamp")
     assert entity in await _rows(database)
 
-    await operators.start(handlers=WEBSITES, env=env, name="second")
+    second = await operators.start(handlers=WEBSITES, env=env, name="second")
     await eventually(
         lambda: _gone(http, f"{websites}/flaky"), timeout=30, message="the Website deleted"
     )
     assert entity not in await _rows(database)
+    # No reconcile failed on the way (a finalizer added twice would have).
+    assert not operator.lines("failed; retrying"), operator.text
+    assert not second.lines("failed; retrying"), second.text
 
 
 async def _has_row(database: asyncpg.Connection, entity: str) -> bool:

@@ -265,6 +265,9 @@ class _Registration:
         self.cache: ObjectCache | None = None
         self.related: RelatedObjects | None = None
         self.finalizers: FinalizerWriter | None = None
+        # Uids this replica added the finalizer to whose echo the cache has not shown yet
+        # (a reconcile in between must not add it again): dropped on the echo or deletion.
+        self._finalizing: set[str] = set()
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
         self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
         # The kopf settings of the operator that started this reconciler: its watch
@@ -434,6 +437,7 @@ class _Registration:
             return
         entity_id = f"{namespace}/{name}" if namespace else str(name)
         if event.get("type") == "DELETED":
+            self._finalizing.discard(metadata.get("uid"))
             await cache.remove(entity_id, body)  # only what was selected is gone for the reconciler
         elif self.options.selection.matches(body):
             await cache.update(
@@ -478,8 +482,13 @@ class _Registration:
     ) -> object:
         """The reconcile, with the finalizer added before it and removed after a cleanup."""
         body = cache.get(req.entity_id)
-        if body is not None and not is_deleting(body) and not has_finalizer(body, finalizers.name):
+        uid = None if body is None else (body.get("metadata") or {}).get("uid")
+        if body is not None and has_finalizer(body, finalizers.name):
+            self._finalizing.discard(uid)  # the cache shows it now
+        elif body is not None and not is_deleting(body) and uid not in self._finalizing:
             await finalizers.add(body)  # before anything the reconciler creates
+            if isinstance(uid, str):
+                self._finalizing.add(uid)
         outcome = await self.fn(req)
         if (
             body is not None
