@@ -1,19 +1,22 @@
 """The shim's finalizer steps around a reconcile, without kopf running: added once before
 the first reconcile (also while the cache has not shown the addition yet), removed only
-after a finished cleanup of a deleting object that carries it."""
+after a finished cleanup of a deleting object that carries it, or of one that left the
+selection while carrying it (a finalizer never blocks a deletion after a cleanup)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import kopf
 import pytest
+import pytest_asyncio
 
 import kopf_reconcile as kr
 from kopf_reconcile.cache import ObjectCache
 from kopf_reconcile.integration import kopf_shim
-from kopf_reconcile.integration.finalizers import FinalizerWriter
+from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing
 
 NAME = "example.com/cleanup"
 
@@ -32,8 +35,11 @@ class RecordingWriter(FinalizerWriter):
         self.writes.append(("remove", body["metadata"]["uid"]))
 
 
-def configmap(*, finalizers: list[str] | None = None, deleting: bool = False) -> dict[str, Any]:
+def configmap(
+    *, finalizers: list[str] | None = None, deleting: bool = False, selected: bool = True
+) -> dict[str, Any]:
     metadata: dict[str, Any] = {"name": "site", "namespace": "ns", "uid": "uid-1"}
+    metadata["labels"] = {"app": "site"} if selected else {}
     if finalizers is not None:
         metadata["finalizers"] = finalizers
     if deleting:
@@ -41,14 +47,14 @@ def configmap(*, finalizers: list[str] | None = None, deleting: bool = False) ->
     return {"metadata": metadata}
 
 
-@pytest.fixture
-def shim() -> Any:
+@pytest_asyncio.fixture
+async def shim() -> AsyncIterator[Any]:
     outcomes: list[object] = []
     seen: list[bool] = []
 
     @kr.reconciler(
         "", "v1", "configmaps",
-        tenancy=kr.Tenancy.TENANT_SCOPED, finalizer=NAME,
+        tenancy=kr.Tenancy.TENANT_SCOPED, finalizer=NAME, labels={"app": "site"},
         leader=None, fenced=None, metrics=None, registry=kopf.OperatorRegistry(),
     )  # fmt: skip
     async def reconcile_site(req: kr.Request) -> object:
@@ -57,10 +63,19 @@ def shim() -> Any:
 
     registration = kopf_shim._registrations[-1]
     registration.cache = ObjectCache()
-    registration.finalizers = RecordingWriter()
+    registration.finalizing = Finalizing(RecordingWriter())
+    registration.writes = registration.finalizing.writer.writes
     registration.outcomes = outcomes
     registration.seen = seen
+    registration.requests = []
+
+    async def emit(request: kr.Request) -> None:
+        registration.requests.append(request.entity_id)
+
+    feeding = asyncio.create_task(registration.cache.run(emit))
     yield registration
+    feeding.cancel()
+    await asyncio.gather(feeding, return_exceptions=True)
     kopf_shim._registrations.remove(registration)
 
 
@@ -69,13 +84,13 @@ async def test_the_finalizer_is_added_once_though_the_cache_shows_it_late(shim: 
     shim.cache.keep("ns/site", configmap())
     await shim.reconcile(request)
     await shim.reconcile(request)  # the cache has not shown the addition yet
-    assert shim.finalizers.writes == [("add", "uid-1")]
+    assert shim.writes == [("add", "uid-1")]
     shim.cache.keep("ns/site", configmap(finalizers=[NAME]))  # the echo
     await shim.reconcile(request)
     # Someone strips it by hand: it is added again.
     shim.cache.keep("ns/site", configmap(finalizers=[]))
     await shim.reconcile(request)
-    assert shim.finalizers.writes == [("add", "uid-1"), ("add", "uid-1")]
+    assert shim.writes == [("add", "uid-1"), ("add", "uid-1")]
     assert shim.seen == [False] * 4
 
 
@@ -85,12 +100,12 @@ async def test_the_finalizer_goes_only_after_a_finished_cleanup(shim: Any) -> No
     shim.outcomes.extend([kr.Result(requeue_after=5), "not a result"])
     await shim.reconcile(request)  # not finished
     await shim.reconcile(request)  # a programmer error (the Loop dead-letters it)
-    assert shim.finalizers.writes == []
+    assert shim.writes == []
     await shim.reconcile(request)  # None: done
-    assert shim.finalizers.writes == [("remove", "uid-1")]
+    assert shim.writes == [("remove", "uid-1")]
     shim.outcomes.append(kr.Result())
     await shim.reconcile(request)  # a Result without requeue_after: done too
-    assert shim.finalizers.writes == [("remove", "uid-1")] * 2
+    assert shim.writes == [("remove", "uid-1")] * 2
     assert shim.seen == [True] * 4
 
 
@@ -112,8 +127,59 @@ async def test_a_failed_cleanup_keeps_the_finalizer_and_others_are_never_touched
     await shim.reconcile(request)
     shim.cache.drop("ns/site", configmap())
     await shim.reconcile(request)
-    assert shim.finalizers.writes == []
+    assert shim.writes == []
 
 
 async def _none() -> None:
     return None
+
+
+async def test_an_object_that_left_the_selection_with_the_finalizer_is_released(
+    shim: Any,
+) -> None:
+    request = kr.Request("ns/site")
+    await shim.on_event({"type": "ADDED", "object": configmap(finalizers=[NAME])})
+    await shim.on_event(
+        {"type": "MODIFIED", "object": configmap(finalizers=[NAME], selected=False)}
+    )
+    assert shim.requests == ["ns/site", "ns/site"]  # the second one: gone for the reconciler
+    shim.outcomes.append(RuntimeError("cleanup failed"))
+    shim.fn = _raising_or_none(shim.outcomes)
+    with pytest.raises(RuntimeError):
+        await shim.reconcile(request)
+    assert shim.writes == []  # not before a successful cleanup
+    await shim.reconcile(request)
+    assert shim.writes == [("remove", "uid-1")]
+    await shim.reconcile(request)  # released once
+    assert shim.writes == [("remove", "uid-1")]
+
+
+async def test_an_unselected_object_carrying_the_finalizer_is_reconciled_to_release_it(
+    shim: Any,
+) -> None:
+    """Say the selection changed in the code since the finalizer was added."""
+    request = kr.Request("ns/site")
+    await shim.on_event({"type": "ADDED", "object": configmap(selected=False)})
+    assert shim.requests == []  # never selected: not its business...
+    await shim.on_event(
+        {"type": "MODIFIED", "object": configmap(finalizers=[NAME], selected=False)}
+    )
+    assert shim.requests == ["ns/site"]  # ... unless it carries this reconciler's finalizer
+    await shim.reconcile(request)
+    assert shim.seen == [True] and shim.writes == [("remove", "uid-1")]
+    # Deleted meanwhile: nothing left to release.
+    await shim.on_event(
+        {"type": "MODIFIED", "object": configmap(finalizers=[NAME], selected=False)}
+    )
+    await shim.on_event({"type": "DELETED", "object": configmap(finalizers=[NAME], selected=False)})
+    await shim.reconcile(request)
+    assert shim.writes == [("remove", "uid-1")]
+
+
+def _raising_or_none(outcomes: list[object]) -> Any:
+    async def reconcile(req: kr.Request) -> None:
+        outcome = outcomes.pop(0) if outcomes else None
+        if isinstance(outcome, Exception):
+            raise outcome
+
+    return reconcile

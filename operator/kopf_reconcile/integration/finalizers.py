@@ -27,6 +27,11 @@ Once the last finalizer is gone the API server deletes the object; its DELETED e
 reaches the reconciler once more with ``kr.cached(req) is None``: cleanup must be
 idempotent (it is anyway: a reconcile may run again after a failover).
 
+An object outside the reconciler's selection that carries the finalizer (it left the
+selection, or the selection changed in the code) is gone for the reconciler: it is
+reconciled as gone, and once that returns without error the finalizer is removed from
+it, so a finalizer never blocks a deletion after the reconciler's cleanup.
+
 The default name is ``<group>/<reconciler id>`` (``kopf-reconcile/<reconciler id>`` for the
 core group). After removing the option, strip the finalizers it added (the operator no
 longer does), for example::
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
@@ -55,7 +60,7 @@ from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.fencing.writer import reconcile_lease
 from kopf_reconcile.integration.api_client import LazyApiClient
 
-__all__ = ["FinalizerWriter", "finalizer_name", "has_finalizer", "is_deleting"]
+__all__ = ["FinalizerWriter", "Finalizing", "finalizer_name", "has_finalizer", "is_deleting"]
 
 logger = logging.getLogger("kopf_reconcile.finalizers")
 
@@ -186,3 +191,56 @@ class FinalizerWriter:
 
     def __repr__(self) -> str:
         return f"<FinalizerWriter {self.name!r} on {self._plural}>"
+
+
+class Finalizing:
+    """The finalizer steps of one reconciler: around its reconciles, and from its watch."""
+
+    def __init__(self, writer: FinalizerWriter) -> None:
+        self.writer = writer
+        # Uids whose finalizer this replica added and the cache has not shown yet (a
+        # reconcile in between must not add it again): dropped on the echo or deletion.
+        self._adding: set[str] = set()
+        # Objects outside the selection that still carry the finalizer, by entity id:
+        # their identity (name, namespace, uid, finalizers), to release them.
+        self._released: dict[str, dict[str, Any]] = {}
+
+    def observe(
+        self, entity_id: str, body: Mapping[str, Any], *, deleted: bool, selected: bool
+    ) -> bool:
+        """Take one watch event into account; True when the object is outside the selection
+        and still carries the finalizer (a reconcile, as gone, releases it)."""
+        uid = (body.get("metadata") or {}).get("uid")
+        if deleted:
+            self._adding.discard(uid)
+        if deleted or selected or not has_finalizer(body, self.writer.name):
+            self._released.pop(entity_id, None)
+            return False
+        metadata = body.get("metadata") or {}
+        kept = ("name", "namespace", "uid", "finalizers")
+        self._released[entity_id] = {"metadata": {k: metadata.get(k) for k in kept}}
+        return True
+
+    async def reconcile(
+        self, body: Mapping[str, Any] | None, entity_id: str, call: Callable[[], Awaitable[object]]
+    ) -> object:
+        """``call`` (the reconciler), with the finalizer added before and removed after."""
+        name = self.writer.name
+        uid = None if body is None else (body.get("metadata") or {}).get("uid")
+        if body is not None and has_finalizer(body, name):
+            self._adding.discard(uid)  # the cache shows it now
+        elif body is not None and not is_deleting(body) and uid not in self._adding:
+            await self.writer.add(body)  # before anything the reconciler creates
+            if isinstance(uid, str):
+                self._adding.add(uid)
+        released = self._released.get(entity_id) if body is None else None
+        outcome = await call()
+        if not finished(outcome):
+            return outcome
+        if body is not None and is_deleting(body) and has_finalizer(body, name):
+            await self.writer.remove(body)
+        elif released is not None:  # gone for the reconciler, yet it still exists
+            await self.writer.remove(released)
+            if self._released.get(entity_id) is released:
+                del self._released[entity_id]
+        return outcome

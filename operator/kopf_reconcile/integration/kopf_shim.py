@@ -53,7 +53,8 @@ itself never sees that request.
 that stops matching looks deleted to the reconciler (``cached`` returns None),
 as a Kubernetes watch with a selector reports it. Only selected objects can
 be gone for the reconciler: the deletion of an object it never selected is
-not its business and triggers nothing.
+not its business and triggers nothing (unless the object carries the reconciler's
+finalizer: it is then reconciled as gone to release it, see ``finalizers``).
 
 Watch streams. The shim wraps kopf's watch stream of each resource it reconciles
 (``kopf._cogs.clients.watching.infinite_watch``) and hands every event, in the
@@ -125,13 +126,7 @@ from kopf_reconcile.config import DEFAULT_INTERVAL, LoopConfig, validate_name
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.integration import settings as process_settings
 from kopf_reconcile.integration.events import KubernetesEventSink
-from kopf_reconcile.integration.finalizers import (
-    FinalizerWriter,
-    finalizer_name,
-    finished,
-    has_finalizer,
-    is_deleting,
-)
+from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing, finalizer_name
 from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX, install_quiet_event_handlers
 from kopf_reconcile.integration.naming import derived_reconciler_id, is_generic_name
 from kopf_reconcile.integration.related import (
@@ -264,10 +259,7 @@ class _Registration:
         self.loop: Loop | None = None
         self.cache: ObjectCache | None = None
         self.related: RelatedObjects | None = None
-        self.finalizers: FinalizerWriter | None = None
-        # Uids this replica added the finalizer to whose echo the cache has not shown yet
-        # (a reconcile in between must not add it again): dropped on the echo or deletion.
-        self._finalizing: set[str] = set()
+        self.finalizing: Finalizing | None = None
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
         self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
         # The kopf settings of the operator that started this reconciler: its watch
@@ -324,8 +316,9 @@ class _Registration:
             cache = ObjectCache(transform=o.cache_transform)
             related = RelatedObjects(o.related, o.cache_transform)
             if o.finalizer is not None:
-                self.finalizers = FinalizerWriter(o.finalizer, o.group, o.version, o.plural)
-                self._owned.append(self.finalizers)
+                writer = FinalizerWriter(o.finalizer, o.group, o.version, o.plural)
+                self._owned.append(writer)
+                self.finalizing = Finalizing(writer)
             builder = (
                 Builder(self.reconcile, o.tenancy)
                 .with_trigger(cache)
@@ -361,7 +354,7 @@ class _Registration:
             self.loop = loop
             self.settings = settings  # from now on its watch streams feed the cache
         except BaseException:
-            self.cache = self.related = self.finalizers = None
+            self.cache = self.related = self.finalizing = None
             await self._close_owned()
             raise
         logger.info(
@@ -401,7 +394,7 @@ class _Registration:
             if loop is not None:
                 await loop.stop()
         finally:
-            self.cache = self.related = self.finalizers = None
+            self.cache = self.related = self.finalizing = None
             await self._close_owned()
 
     async def probe(self, **_: Any) -> dict[str, object]:
@@ -436,10 +429,15 @@ class _Registration:
         if not name:
             return
         entity_id = f"{namespace}/{name}" if namespace else str(name)
-        if event.get("type") == "DELETED":
-            self._finalizing.discard(metadata.get("uid"))
+        deleted = event.get("type") == "DELETED"
+        selected = not deleted and self.options.selection.matches(body)
+        # Outside the selection yet carrying the finalizer: reconciled as gone to release it.
+        release = self.finalizing is not None and self.finalizing.observe(
+            entity_id, body, deleted=deleted, selected=selected
+        )
+        if deleted:
             await cache.remove(entity_id, body)  # only what was selected is gone for the reconciler
-        elif self.options.selection.matches(body):
+        elif selected:
             await cache.update(
                 entity_id,
                 body,
@@ -447,7 +445,10 @@ class _Registration:
                 and event.get("type") == "MODIFIED",
             )
         else:  # this incarnation left the selection: to the reconciler it is gone
+            held = entity_id in cache
             await cache.forget(entity_id, body)  # (not deleted: it may match again)
+            if release and not held:
+                await cache.request(entity_id)
 
     def watches(self, key: tuple[str, str], version: str | None = None) -> bool:
         """Whether this reconciler watches resource ``key`` (at ``version``, when given)."""
@@ -472,32 +473,11 @@ class _Registration:
             cache.request_resync()
             return None
         with serving(cache), serving_related(self.related or RelatedObjects((), None), cache):
-            finalizers = self.finalizers
-            if finalizers is None:
+            if self.finalizing is None:
                 return await self.fn(req)  # the Loop checks what it returns
-            return await self._reconcile_finalized(req, cache, finalizers)
-
-    async def _reconcile_finalized(
-        self, req: Request, cache: ObjectCache, finalizers: FinalizerWriter
-    ) -> object:
-        """The reconcile, with the finalizer added before it and removed after a cleanup."""
-        body = cache.get(req.entity_id)
-        uid = None if body is None else (body.get("metadata") or {}).get("uid")
-        if body is not None and has_finalizer(body, finalizers.name):
-            self._finalizing.discard(uid)  # the cache shows it now
-        elif body is not None and not is_deleting(body) and uid not in self._finalizing:
-            await finalizers.add(body)  # before anything the reconciler creates
-            if isinstance(uid, str):
-                self._finalizing.add(uid)
-        outcome = await self.fn(req)
-        if (
-            body is not None
-            and is_deleting(body)
-            and has_finalizer(body, finalizers.name)
-            and finished(outcome)
-        ):
-            await finalizers.remove(body)
-        return outcome
+            return await self.finalizing.reconcile(
+                cache.get(req.entity_id), req.entity_id, functools.partial(self.fn, req)
+            )
 
     # -- helpers -------------------------------------------------------------------------
 
