@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import kopf
 import pytest
 
 import kopf_reconcile as kr
 from kopf_reconcile.cache import ObjectCache
+from kopf_reconcile.integration import kopf_shim
 from kopf_reconcile.integration.related import RelatedObjects, parse_related, serving_related
 from support import eventually
 
@@ -166,3 +168,23 @@ async def test_a_burst_of_child_events_is_one_rerun_of_the_running_owner_reconci
 def test_bad_owns_and_watches_fail_at_decoration(owns: Any, watches: Any, message: str) -> None:
     with pytest.raises(kr.ConfigError, match=message):
         parse_related(owns, watches, OWNER)
+
+
+def test_readiness_covers_the_owned_and_watched_resources() -> None:
+    registry = kopf.OperatorRegistry()
+
+    @kr.reconciler(
+        "example.com", "v1", "websites",
+        tenancy=kr.Tenancy.TENANT_SCOPED,
+        owns=[("", "v1", "configmaps")],
+        watches=[kr.Watches("", "v1", "secrets", map_to=list)],
+        registry=registry,
+    )  # fmt: skip
+    async def reconcile_website(req: kr.Request) -> None:
+        return None
+
+    assert kopf_shim.watched_resources(registry) == [
+        ("example.com", "v1", "websites"),
+        ("", "v1", "configmaps"),
+        ("", "v1", "secrets"),
+    ]

@@ -885,13 +885,19 @@ async def _feed(feeders: list[Feeder], event: Mapping[str, Any]) -> None:
 
 
 def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:
-    """(group, version, plural) of every reconciler registered on ``registry`` (readiness)."""
+    """(group, version, plural) of every resource the reconcilers registered on ``registry``
+    watch, owned and watched resources included (readiness)."""
     real_registry = kopf.get_default_registry() if registry is None else registry
-    return [
-        (r.options.group, r.options.version, r.options.plural)
-        for r in _registrations
-        if r.registry is real_registry
-    ]
+    resources: list[tuple[str, str, str]] = []
+    for r in _registrations:
+        if r.registry is real_registry:
+            o = r.options
+            for resource in [(o.group, o.version, o.plural)] + [
+                (x.group, x.version, x.plural) for x in o.related
+            ]:
+                if resource not in resources:
+                    resources.append(resource)
+    return resources
 
 
 def status(registry: Any = None) -> dict[str, dict[str, object]]:
