@@ -1,12 +1,14 @@
-"""Takeover in the middle of a deletion, with real ``kopf-reconcile run`` replicas on both API
-tiers: the leader is killed while it cleans up a deleting object; the next leader finishes the
-cleanup and only then is the finalizer removed and the object gone."""
+"""Deletions with a finalizer, with real ``kopf-reconcile run`` replicas on both API tiers and a
+real PostgreSQL: the leader is killed while it cleans up a deleting object, and the next leader
+finishes the cleanup before the finalizer goes; a cleanup that cannot succeed keeps the
+finalizer and is dead-lettered where on-call looks (its Event, ``kopf-reconcile
+dead-letters``)."""
 
 from __future__ import annotations
 
 import aiohttp
 import pytest
-from operator_e2e import OPERATORS, Operators, read_object
+from operator_e2e import MERGE, OPERATORS, Operators, read_object
 
 from support import eventually
 
@@ -53,3 +55,44 @@ async def test_a_new_leader_finishes_the_cleanup_a_killed_leader_began(
 
 async def _gone(http: aiohttp.ClientSession, path: str) -> bool:
     return await read_object(http, path) is None
+
+
+async def test_a_cleanup_that_cannot_succeed_keeps_the_finalizer_and_is_dead_lettered(
+    operators: Operators,
+    http: aiohttp.ClientSession,
+    kube_namespace: str,
+    embedded_postgres_dsn: str,
+) -> None:
+    database = {"KOPF_RECONCILE_DATABASE_URL": embedded_postgres_dsn}
+    env = {**database, "KOPF_RECONCILE_LEADER": "postgres"}
+    entity = f"{kube_namespace}/poison-pill"
+    path = f"/api/v1/namespaces/{kube_namespace}/configmaps"
+    operator = await operators.start(handlers=FINALIZING, env=env)
+    body = {"metadata": {"name": "poison-pill", "labels": {"app": "finalizing"}}}
+    async with http.post(path, json=body) as response:
+        assert response.status == 201, await response.text()
+    await operator.printed(f"reconcile {entity} live", timeout=30)
+    async with http.delete(f"{path}/poison-pill") as response:
+        assert response.status == 200, await response.text()
+    await operator.printed(f"cleanup {entity} started", timeout=30)
+
+    async def listed() -> bool:
+        status, output = await operators.command("dead-letters", env=database)
+        return status == 0 and entity in output and "cannot clean up" in output
+
+    await eventually(listed, timeout=30, message="the dead letter listed")
+
+    async def event_recorded() -> bool:
+        events = await read_object(http, f"/api/v1/namespaces/{kube_namespace}/events")
+        return any(
+            e["reason"] == "DeadLettered" and e["involvedObject"]["name"] == "poison-pill"
+            for e in (events or {}).get("items", [])
+        )
+
+    await eventually(event_recorded, timeout=30, message="the DeadLettered Event")
+    stored = await read_object(http, f"{path}/poison-pill")
+    assert stored is not None and stored["metadata"]["finalizers"] == ["example.com/finalizing"]
+    await operator.stop()
+    release = {"metadata": {"finalizers": None}}  # (a shared real cluster keeps namespaces)
+    async with http.patch(f"{path}/poison-pill", json=release, headers=MERGE) as response:
+        assert response.status == 200, await response.text()

@@ -25,6 +25,15 @@ async def configmap(kube: Any, namespace: str, name: str, **metadata: Any) -> di
             return created
 
 
+async def release(kube: Any, namespace: str, name: str) -> None:
+    """Strip every finalizer (a shared real cluster keeps the test's namespaces)."""
+    path = f"/api/v1/namespaces/{namespace}/configmaps/{name}"
+    headers = {"Content-Type": "application/merge-patch+json"}
+    body = {"metadata": {"finalizers": None}}
+    async with kube.http_session() as http, http.patch(path, json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+
+
 async def finalizers(kube: Any, namespace: str, name: str) -> list[str]:
     path = f"/api/v1/namespaces/{namespace}/configmaps/{name}"
     async with kube.http_session() as http, http.get(path) as response:
@@ -57,6 +66,7 @@ async def test_removing_a_finalizer_is_refused_before_sending_when_the_lease_is_
             await writer.remove(created)
         assert refused.value.status == 422
         assert await finalizers(kube, kube_namespace, "guarded") == ["other/keep"]
+    await release(kube, kube_namespace, "guarded")
 
 
 async def test_adding_never_overwrites_a_finalizer_added_since_the_body_was_read(
@@ -79,3 +89,4 @@ async def test_adding_never_overwrites_a_finalizer_added_since_the_body_was_read
         fresh = {**stale, "metadata": {**stale["metadata"], "finalizers": ["other/keep"]}}
         await writer.add(fresh)
         assert await finalizers(kube, kube_namespace, "contended") == ["other/keep", NAME]
+    await release(kube, kube_namespace, "contended")

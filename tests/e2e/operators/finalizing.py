@@ -2,7 +2,8 @@
 
 It prints ``reconcile <entity id> live``, ``cleanup <entity id> started`` and ``cleanup
 <entity id> done``. With ``HANG_CLEANUP=1`` a cleanup never finishes (a replica to kill in
-the middle of a deletion).
+the middle of a deletion); the cleanup of an object named ``poison-*`` raises
+``PermanentError``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ async def reconcile_finalizing(req: kr.Request) -> None:
         print(f"reconcile {req.entity_id} live", flush=True)
         return
     print(f"cleanup {req.entity_id} started", flush=True)
+    if req.entity_id.split("/")[-1].startswith("poison-"):
+        raise kr.PermanentError(f"cannot clean up {req.entity_id}")
     if os.environ.get("HANG_CLEANUP") == "1":
         await asyncio.Event().wait()
     print(f"cleanup {req.entity_id} done", flush=True)
