@@ -882,7 +882,7 @@ def test_rbac_follows_declared_children_watches_and_finalizers() -> None:
     assert related[2] == {
         "apiGroups": ["example.com"],
         "resources": ["devices"],
-        "verbs": ["patch"],
+        "verbs": ["get", "patch"],
     }
     cluster_wide = rules_by_role(render("clusterWide=true", *FINALIZED))
     assert ("ClusterRole", "devices-ops-related") in cluster_wide

@@ -1,5 +1,5 @@
 """The shim's finalizer writes on both API tiers: refused before sending without a live lease,
-and never overwriting a finalizer another writer added meanwhile."""
+never overwriting a finalizer another writer added meanwhile, never added twice."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ async def test_removing_a_finalizer_is_refused_before_sending_when_the_lease_is_
     await release(kube, kube_namespace, "guarded")
 
 
-async def test_adding_never_overwrites_a_finalizer_added_since_the_body_was_read(
+async def test_adding_over_a_stale_body_keeps_the_other_finalizers_and_adds_once(
     kube: Any, kube_namespace: str
 ) -> None:
     stale = await configmap(kube, kube_namespace, "contended")
@@ -81,12 +81,24 @@ async def test_adding_never_overwrites_a_finalizer_added_since_the_body_was_read
             assert response.status == 200, await response.text()
     async with kube.api_client() as api:
         writer = FinalizerWriter(NAME, "", "v1", "configmaps", api=api)
-        with pytest.raises(ApiException) as refused:
-            await writer.add(stale)  # read before the other finalizer was added
-        assert refused.value.status in (409, 422)
-        assert await finalizers(kube, kube_namespace, "contended") == ["other/keep"]
-
-        fresh = {**stale, "metadata": {**stale["metadata"], "finalizers": ["other/keep"]}}
-        await writer.add(fresh)
+        await writer.add(stale)  # read before the other finalizer was added: read again
+        assert await finalizers(kube, kube_namespace, "contended") == ["other/keep", NAME]
+        await writer.add(stale)  # there already: not twice
         assert await finalizers(kube, kube_namespace, "contended") == ["other/keep", NAME]
     await release(kube, kube_namespace, "contended")
+
+
+async def test_adding_to_an_object_deleted_since_the_body_was_read_is_refused(
+    kube: Any, kube_namespace: str
+) -> None:
+    stale = await configmap(kube, kube_namespace, "going", finalizers=["other/keep"])
+    async with kube.http_session() as http:
+        path = f"/api/v1/namespaces/{kube_namespace}/configmaps/going"
+        async with http.delete(path) as response:
+            assert response.status == 200, await response.text()
+    async with kube.api_client() as api:
+        writer = FinalizerWriter(NAME, "", "v1", "configmaps", api=api)
+        with pytest.raises(ApiException):
+            await writer.add(stale)  # the next reconcile sees it deleting, from the cache
+    assert await finalizers(kube, kube_namespace, "going") == ["other/keep"]
+    await release(kube, kube_namespace, "going")

@@ -42,7 +42,8 @@ longer does), for example::
 (that removes the first finalizer: check ``-o jsonpath='{.metadata.finalizers}'`` first
 when objects carry other finalizers too).
 
-RBAC: ``patch`` on the reconciled resource itself (the chart's ``watch[].finalizer``).
+RBAC: ``get`` and ``patch`` on the reconciled resource itself (the chart's
+``watch[].finalizer``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ __all__ = ["FinalizerWriter", "Finalizing", "finalizer_name", "has_finalizer", "
 
 logger = logging.getLogger("kopf_reconcile.finalizers")
 
-HTTP_NOT_FOUND = 404
+HTTP_NOT_FOUND, HTTP_CONFLICT, HTTP_UNPROCESSABLE = 404, 409, 422
 _JSON_PATCH = "application/json-patch+json"
 # A qualified name: an optional DNS-subdomain prefix and '/', then a name of 63 at most.
 _QUALIFIED = re.compile(
@@ -102,6 +103,10 @@ def finalizer_name(option: object, group: str, reconciler_id: str) -> str | None
     return option
 
 
+def _uid(body: Mapping[str, Any]) -> object:
+    return (body.get("metadata") or {}).get("uid")
+
+
 def finished(outcome: object) -> bool:
     """Whether a reconcile's outcome says the cleanup is done (no error, no requeue)."""
     return outcome is None or (isinstance(outcome, Result) and not outcome.requeue_after)
@@ -127,24 +132,39 @@ class FinalizerWriter:
         self._client = LazyApiClient(api, kubeconfig)
 
     async def add(self, body: Mapping[str, Any]) -> None:
-        """Add the finalizer (before the object's first reconcile)."""
+        """Add the finalizer (before the object's first reconcile).
+
+        When the body is older than the object (the patch's test fails), the object is
+        read once and the finalizer added over what it holds now (or nothing is done, if
+        it is there already): a busy object does not make the first reconcile fail.
+        """
+        try:
+            await self._patch(body, self._adding(body), "add")
+        except ApiException as exc:
+            if exc.status not in (HTTP_CONFLICT, HTTP_UNPROCESSABLE):
+                raise
+            fresh = await self._read(body)
+            if fresh is None or _uid(fresh) != _uid(body) or is_deleting(fresh):
+                raise  # gone or going: the next reconcile reads that from the cache
+            if not has_finalizer(fresh, self.name):
+                await self._patch(fresh, self._adding(fresh), "add")
+
+    def _adding(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The JSON patch that adds the finalizer to ``body`` as it was read."""
         metadata = body.get("metadata") or {}
+        uid_test = {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")}
         if metadata.get("finalizers"):
-            patch: list[dict[str, Any]] = [
-                {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")},
-                {"op": "add", "path": "/metadata/finalizers/-", "value": self.name},
-            ]
-        else:  # no list yet: the list is created, only over the version seen
-            patch = [
-                {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")},
-                {
-                    "op": "test",
-                    "path": "/metadata/resourceVersion",
-                    "value": metadata.get("resourceVersion"),
-                },
-                {"op": "add", "path": "/metadata/finalizers", "value": [self.name]},
-            ]
-        await self._patch(body, patch, "add")
+            return [uid_test, {"op": "add", "path": "/metadata/finalizers/-", "value": self.name}]
+        # No list yet: the list is created, only over the version seen.
+        return [
+            uid_test,
+            {
+                "op": "test",
+                "path": "/metadata/resourceVersion",
+                "value": metadata.get("resourceVersion"),
+            },
+            {"op": "add", "path": "/metadata/finalizers", "value": [self.name]},
+        ]
 
     async def remove(self, body: Mapping[str, Any]) -> None:
         """Remove the finalizer (after a successful cleanup), at the index it was seen."""
@@ -167,11 +187,10 @@ class FinalizerWriter:
                 f"finalizer {verb} on {namespace}/{name} refused locally: the lease of epoch "
                 f"{lease.epoch} is no longer held by this process"
             )
-        where = f"{self._prefix}/namespaces/{namespace}" if namespace else self._prefix
         api = await self._client.get()
         try:
             await api.call_api(
-                f"{where}/{self._plural}/{name}",
+                self._path(body),
                 "PATCH",
                 header_params={"Content-Type": _JSON_PATCH, "Accept": "application/json"},
                 body=patch,
@@ -184,6 +203,30 @@ class FinalizerWriter:
                 return  # gone already: nothing is left to hold
             raise
         logger.debug("finalizer %s: %s on %s/%s", self.name, verb, namespace, name)
+
+    async def _read(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The object as the API server holds it now; None when it is gone."""
+        api = await self._client.get()
+        try:
+            found: Mapping[str, Any] = await api.call_api(
+                self._path(body),
+                "GET",
+                header_params={"Accept": "application/json"},
+                auth_settings=["BearerToken"],
+                response_types_map={200: "object"},
+                _return_http_data_only=True,
+            )
+        except ApiException as exc:
+            if exc.status == HTTP_NOT_FOUND:
+                return None
+            raise
+        return found
+
+    def _path(self, body: Mapping[str, Any]) -> str:
+        metadata = body.get("metadata") or {}
+        namespace, name = metadata.get("namespace"), metadata.get("name")
+        where = f"{self._prefix}/namespaces/{namespace}" if namespace else self._prefix
+        return f"{where}/{self._plural}/{name}"
 
     async def close(self) -> None:
         """Close the client if it was made here."""
@@ -210,7 +253,7 @@ class Finalizing:
     ) -> bool:
         """Take one watch event into account; True when the object is outside the selection
         and still carries the finalizer (a reconcile, as gone, releases it)."""
-        uid = (body.get("metadata") or {}).get("uid")
+        uid = _uid(body)
         if deleted:
             self._adding.discard(uid)
         if deleted or selected or not has_finalizer(body, self.writer.name):
@@ -226,7 +269,7 @@ class Finalizing:
     ) -> object:
         """``call`` (the reconciler), with the finalizer added before and removed after."""
         name = self.writer.name
-        uid = None if body is None else (body.get("metadata") or {}).get("uid")
+        uid = None if body is None else _uid(body)
         if body is not None and has_finalizer(body, name):
             self._adding.discard(uid)  # the cache shows it now
         elif body is not None and not is_deleting(body) and uid not in self._adding:
