@@ -10,7 +10,7 @@ import kopf
 import pytest
 
 import kopf_reconcile as kr
-from kopf_reconcile.cache import ObjectCache
+from kopf_reconcile.cache import ObjectCache, strip_managed_fields
 from kopf_reconcile.integration import kopf_shim
 from kopf_reconcile.integration.related import RelatedObjects, parse_related, serving_related
 from support import eventually
@@ -188,3 +188,18 @@ def test_readiness_covers_the_owned_and_watched_resources() -> None:
         ("", "v1", "configmaps"),
         ("", "v1", "secrets"),
     ]
+
+
+async def test_children_are_cached_through_the_reconcilers_cache_transform() -> None:
+    children = RelatedObjects(
+        parse_related([("", "v1", "configmaps")], None, OWNER), strip_managed_fields
+    )
+    async with Owners() as owners:
+        owners.cache.keep("ns/site", website("site", "uid-1"))
+        child = page("p", "uid-1")
+        child["metadata"]["managedFields"] = [{"manager": "kubectl"}]
+        await children.on_event(PAGES, event("ADDED", child), owners.cache)
+        with serving_related(children, owners.cache):
+            (cached,) = kr.owned(kr.Request("ns/site"))
+        assert "managedFields" not in cached["metadata"]
+        assert "managedFields" in child["metadata"]  # the watch's body is left alone
