@@ -96,7 +96,6 @@ from kopf_reconcile.fencing.writer import (
     bind_lease,
     bind_writer,
     mint_writer,
-    unbind_lease,
     unbind_writer,
 )
 from kopf_reconcile.leader.protocol import FloorAwareElector, LeaseToken
@@ -445,6 +444,9 @@ class Loop:
         assert task is not None and self._queue is not None
         queue = self._queue
         bind_events(self._events)  # kr.event() inside this worker's reconciles
+        # The lease of this worker's reconciles: workers live within one term (a lost lease
+        # cancels them, the next term spawns new ones), so its epoch is theirs.
+        bind_lease(ReconcileLease(self._epoch(), self._lease_is_live))
         while not self._stopping:
             if not queue.dispatching or not queue.ready_count:
                 if not self._running:
@@ -464,12 +466,10 @@ class Loop:
         started = clock()
         self._running[entity] = task
         writer_token = None
-        epoch = self._epoch()
-        lease_token = bind_lease(ReconcileLease(epoch, self._lease_is_live))
         repo = self._config.fenced_repo
         if repo is not None:
             writer_token = bind_writer(
-                mint_writer(repo, epoch, self._lease_is_live, self._count_fenced_write)
+                mint_writer(repo, self._epoch(), self._lease_is_live, self._count_fenced_write)
             )
         try:
             if self._tenant_scoped and entity != RESYNC_ALL:
@@ -506,7 +506,6 @@ class Loop:
         finally:
             if writer_token is not None:
                 unbind_writer(writer_token)
-            unbind_lease(lease_token)
             del self._running[entity]
             if self._metrics_enabled:
                 metrics = self._metrics

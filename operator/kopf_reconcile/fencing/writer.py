@@ -16,8 +16,8 @@ real guard).
 
 Writes the framework makes for a reconcile elsewhere (a finalizer's removal through
 the Kubernetes API) get the same local check from :func:`reconcile_lease`: the lease
-and epoch the running reconcile was dispatched under, bound by the Loop whether or not
-a fenced repository is configured.
+and epoch the running reconcile was dispatched under, bound by the Loop in each worker
+(a worker lives within one term) whether or not a fenced repository is configured.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def reconcile_lease() -> ReconcileLease | None:
 
 
 def bind_lease(lease: ReconcileLease) -> contextvars.Token[ReconcileLease | None]:
-    """Make ``lease`` the current one (the Loop does this around each reconcile)."""
+    """Make ``lease`` the current one (the Loop does this in each worker)."""
     return _lease.set(lease)
 
 
