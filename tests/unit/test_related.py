@@ -203,3 +203,14 @@ async def test_children_are_cached_through_the_reconcilers_cache_transform() -> 
             (cached,) = kr.owned(kr.Request("ns/site"))
         assert "managedFields" not in cached["metadata"]
         assert "managedFields" in child["metadata"]  # the watch's body is left alone
+
+
+async def test_a_swept_deletion_with_the_identity_only_finds_the_owner_from_the_cache() -> None:
+    children = related(owns=[kr.Owns("", "v1", "configmaps", labels={"managed": "yes"})])
+    async with Owners() as owners:
+        owners.cache.keep("ns/site", website("site", "uid-1"))
+        await children.on_event(PAGES, event("ADDED", page("p", "uid-1")), owners.cache)
+        identity = {"metadata": {"name": "p", "namespace": "ns", "uid": "uid-p"}}
+        await children.on_event(PAGES, event("DELETED", identity), owners.cache)
+        assert owners.requests == ["ns/site", "ns/site"]
+        assert len(children) == 0

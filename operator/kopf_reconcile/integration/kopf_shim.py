@@ -457,6 +457,10 @@ class _Registration:
         versions += [r.version for r in o.related if r.key == key]
         return bool(versions) and (version is None or version in versions)
 
+    def maps(self, key: tuple[str, str]) -> bool:
+        """Whether a ``watches=`` entry of this reconciler maps resource ``key``'s objects."""
+        return any(r.key == key and r.map_to is not None for r in self.options.related)
+
     def feeder(self, key: tuple[str, str]) -> Feeder:
         """What takes the events of resource ``key``'s watch stream for this reconciler."""
         if key == (self.options.group, self.options.plural):
@@ -822,8 +826,9 @@ def _install_relist_sweep() -> None:
                 async for item in stream:
                     yield item
                 return
-            # Kept for the sweep: the last bodies for kopf's handlers, else identities only.
-            tracker = ListingTracker(whole_bodies=not alone)
+            # Kept for the sweep: the last bodies for kopf's handlers and map_to functions,
+            # else identities only (a child's owner is then read from its cached body).
+            tracker = ListingTracker(whole_bodies=not alone or any(r.maps(key) for r in fed))
             for registration in fed:
                 registration.feeding_streams[key] += 1
             try:

@@ -241,6 +241,10 @@ class RelatedObjects:
         body = event["object"]
         cache = self._children[key]
         held = entity_id in cache
+        if event.get("type") == "DELETED" and held:
+            # A deletion a relist swept may carry the identity only: the cached body
+            # still names the owner (and the labels that selected it).
+            body = cache.get(entity_id) or body
         reference = controller_uid(body)
         selected = selected and reference is not None  # no controller: nobody's child
         if event.get("type") == "DELETED":
