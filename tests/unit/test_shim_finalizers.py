@@ -17,6 +17,7 @@ import kopf_reconcile as kr
 from kopf_reconcile.cache import ObjectCache
 from kopf_reconcile.integration import kopf_shim
 from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing
+from kopf_reconcile.integration.related import RelatedObjects
 
 NAME = "example.com/cleanup"
 
@@ -63,6 +64,7 @@ async def shim() -> AsyncIterator[Any]:
 
     registration = kopf_shim._registrations[-1]
     registration.cache = ObjectCache()
+    registration.related = RelatedObjects((), None)
     registration.finalizing = Finalizing(RecordingWriter())
     registration.writes = registration.finalizing.writer.writes
     registration.outcomes = outcomes

@@ -470,13 +470,13 @@ class _Registration:
     # -- the reconcile the Loop calls ----------------------------------------------------
 
     async def reconcile(self, req: Request) -> object:
-        cache = self.cache
-        if cache is None:  # stopped between dispatch and now
+        cache, related = self.cache, self.related
+        if cache is None or related is None:  # stopped between dispatch and now
             return None
         if req.entity_id == RESYNC_ALL:
             cache.request_resync()
             return None
-        with serving(cache), serving_related(self.related or RelatedObjects((), None), cache):
+        with serving(cache), serving_related(related, cache):
             if self.finalizing is None:
                 return await self.fn(req)  # the Loop checks what it returns
             return await self.finalizing.reconcile(
