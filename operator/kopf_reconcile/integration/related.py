@@ -54,8 +54,8 @@ MapTo = Callable[[Mapping[str, Any]], Iterable[str | Request]]
 
 
 @dataclasses.dataclass(frozen=True)
-class Owns:
-    """Children of a reconciled object: ``group/version/plural`` objects it controls."""
+class _Resource:
+    """A resource of related objects; ``labels``: the ones that count."""
 
     group: str
     version: str
@@ -64,7 +64,12 @@ class Owns:
 
 
 @dataclasses.dataclass(frozen=True)
-class Watches(Owns):
+class Owns(_Resource):
+    """Children of a reconciled object: ``group/version/plural`` objects it controls."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Watches(_Resource):
     """Objects of ``group/version/plural`` whose changes reconcile what ``map_to`` returns."""
 
     map_to: MapTo
@@ -98,7 +103,7 @@ def parse_related(
     related: list[Related] = []
     for entry in _listed("owns", owns):
         item = Owns(*entry) if isinstance(entry, tuple) and len(entry) == 3 else entry
-        if not isinstance(item, Owns) or isinstance(item, Watches):
+        if not isinstance(item, Owns):
             raise ConfigError(
                 f"owns entries must be kr.Owns(group, version, plural) or a "
                 f"(group, version, plural) tuple, got {item!r}"
