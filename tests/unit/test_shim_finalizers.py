@@ -16,7 +16,7 @@ import pytest_asyncio
 import kopf_reconcile as kr
 from kopf_reconcile.cache import ObjectCache
 from kopf_reconcile.integration import kopf_shim
-from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing
+from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing, finalizer_name
 from kopf_reconcile.integration.related import RelatedObjects
 
 NAME = "example.com/cleanup"
@@ -185,3 +185,26 @@ def _raising_or_none(outcomes: list[object]) -> Any:
             raise outcome
 
     return reconcile
+
+
+@pytest.mark.parametrize(
+    ("option", "group", "name"),
+    [
+        (True, "example.com", "example.com/websites.example.com-reconcile-website"),
+        (True, "", "kopf-reconcile/websites.example.com-reconcile-website"),
+        ("example.com/cleanup", "", "example.com/cleanup"),
+        (None, "example.com", None),
+        (False, "example.com", None),
+    ],
+)
+def test_the_finalizer_option_names_a_finalizer(option: object, group: str, name: str) -> None:
+    assert finalizer_name(option, group, "websites.example.com-reconcile-website") == name
+
+
+@pytest.mark.parametrize("option", ["Example.com/x", "example.com/", "a/b/c", "x" * 64, 1])
+def test_a_bad_finalizer_name_fails_at_decoration(option: object) -> None:
+    with pytest.raises(kr.ConfigError, match="finalizer must be"):
+        kr.reconciler(
+            "", "v1", "configmaps", tenancy=kr.Tenancy.TENANT_SCOPED, finalizer=option,  # type: ignore[arg-type]
+            registry=kopf.OperatorRegistry(),
+        )(lambda req: None)  # fmt: skip
