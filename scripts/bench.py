@@ -46,6 +46,7 @@ PLAN = [
     Benchmark("takeover", ["--runs", "3", "--plot", "benchmarks/takeover.png"], 180),
     Benchmark("memory", [], 120),
     Benchmark("cache_memory", [], 120),
+    Benchmark("owned_children", [], 120),
     Benchmark("fenced_writes", [], 180),
     Benchmark("failover", ["--runs", "2", "--default-runs", "2"], 300),
     Benchmark("leases", ["--seconds", "12"], 240),

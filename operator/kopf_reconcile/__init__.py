@@ -42,7 +42,9 @@ from kopf_reconcile.triggers import ChannelTrigger, TickerTrigger, Trigger
 
 if TYPE_CHECKING:
     from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+    from kopf_reconcile.integration.finalizers import is_deleting
     from kopf_reconcile.integration.kopf_shim import reconciler
+    from kopf_reconcile.integration.related import Owns, Watches, owned
     from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
     from kopf_reconcile.leader.postgres import PostgresLeaseElector
 
@@ -66,6 +68,7 @@ __all__ = [
     "Loop",
     "LoopStats",
     "Metrics",
+    "Owns",
     "PermanentError",
     "PostgresFencedRepository",
     "PostgresLeaseElector",
@@ -77,10 +80,13 @@ __all__ = [
     "Tenancy",
     "TickerTrigger",
     "Trigger",
+    "Watches",
     "cached",
     "event",
     "fenced_writer",
+    "is_deleting",
     "new",
+    "owned",
     "reconciler",
     "register_metrics",
 ]
@@ -90,6 +96,10 @@ __all__ = [
 # so importing the kernel stays cheap (and free of kopf).
 _LAZY = {
     "reconciler": "kopf_reconcile.integration.kopf_shim",
+    "Owns": "kopf_reconcile.integration.related",
+    "Watches": "kopf_reconcile.integration.related",
+    "owned": "kopf_reconcile.integration.related",
+    "is_deleting": "kopf_reconcile.integration.finalizers",
     "KubernetesLeaseElector": "kopf_reconcile.leader.kubernetes",
     "PostgresLeaseElector": "kopf_reconcile.leader.postgres",
     "PostgresFencedRepository": "kopf_reconcile.fencing.postgres",

@@ -189,23 +189,39 @@ class ObjectCache:
         ``skip_same_generation``: request nothing when the body cached for this object
         has the same ``metadata.generation`` (an update of status or metadata only).
         """
+        if self.keep(entity_id, body, skip_same_generation=skip_same_generation):
+            await self._request(entity_id)
+
+    def keep(
+        self, entity_id: str, body: Mapping[str, Any], *, skip_same_generation: bool = False
+    ) -> bool:
+        """Store the body as :meth:`update` does, requesting nothing; whether to request."""
         uid = _uid(body)
-        if uid is None or uid not in self._gone:  # else a late event of a deleted incarnation
-            if self._transform is not None:
-                body = self._transform(body)
-            incarnations = self._entities.get(entity_id)
-            if incarnations is None or uid is None or None in incarnations:
-                incarnations = self._entities[entity_id] = {}
-            known = incarnations.get(uid)
-            seen = next(self._seen) if known is None else known.seen
-            stored = incarnations[uid] = _Incarnation.of(body, seen)
-            if (
-                skip_same_generation
-                and known is not None
-                and stored.generation is not None
-                and stored.generation == known.generation
-            ):
-                return  # the reconciler has seen this generation: nothing to do
+        if uid is not None and uid in self._gone:
+            return True  # a late event of a deleted incarnation: stored no more
+        if self._transform is not None:
+            body = self._transform(body)
+        incarnations = self._entities.get(entity_id)
+        if incarnations is None or uid is None or None in incarnations:
+            incarnations = self._entities[entity_id] = {}
+        known = incarnations.get(uid)
+        seen = next(self._seen) if known is None else known.seen
+        stored = incarnations[uid] = _Incarnation.of(body, seen)
+        # Unless the reconciler has seen this generation already.
+        return not (
+            skip_same_generation
+            and known is not None
+            and stored.generation is not None
+            and stored.generation == known.generation
+        )
+
+    def holds(self, entity_id: str, uid: str) -> bool:
+        """Whether the incarnation ``uid`` of ``entity_id`` is cached (not seen deleted)."""
+        incarnations = self._entities.get(entity_id)
+        return incarnations is not None and uid in incarnations
+
+    async def request(self, entity_id: str) -> None:
+        """Request a reconcile of ``entity_id`` (a change of something it depends on)."""
         await self._request(entity_id)
 
     async def remove(self, entity_id: str, body: Mapping[str, Any] | None = None) -> None:
@@ -216,13 +232,17 @@ class ObjectCache:
         held (one the reconciler never selected) requests nothing: there is nothing
         the reconciler has seen to clean up.
         """
+        if self.drop(entity_id, body):
+            await self._request(entity_id)
+
+    def drop(self, entity_id: str, body: Mapping[str, Any] | None = None) -> bool:
+        """Forget the object as :meth:`remove` does, requesting nothing; whether it was held."""
         uid = _uid(body)
         if uid is not None:
             self._gone[uid] = None
             while len(self._gone) > GONE_MEMORY:
                 self._gone.popitem(last=False)
-        if self._forget(entity_id, uid):
-            await self._request(entity_id)
+        return self._forget(entity_id, uid)
 
     async def forget(self, entity_id: str, body: Mapping[str, Any]) -> None:
         """The object left the selection: forget this incarnation, request a reconcile if held.

@@ -91,7 +91,13 @@ from kopf_reconcile.fencing.protocol import (
     LoopBoundRepository,
     StaleEpochError,
 )
-from kopf_reconcile.fencing.writer import bind_writer, mint_writer, unbind_writer
+from kopf_reconcile.fencing.writer import (
+    ReconcileLease,
+    bind_lease,
+    bind_writer,
+    mint_writer,
+    unbind_writer,
+)
 from kopf_reconcile.leader.protocol import FloorAwareElector, LeaseToken
 from kopf_reconcile.metrics import BoundMetrics
 from kopf_reconcile.tenancy import MalformedEntityId, Tenancy
@@ -438,6 +444,9 @@ class Loop:
         assert task is not None and self._queue is not None
         queue = self._queue
         bind_events(self._events)  # kr.event() inside this worker's reconciles
+        # The lease of this worker's reconciles: workers live within one term (a lost lease
+        # cancels them, the next term spawns new ones), so its epoch is theirs.
+        bind_lease(ReconcileLease(self._epoch(), self._lease_is_live))
         while not self._stopping:
             if not queue.dispatching or not queue.ready_count:
                 if not self._running:

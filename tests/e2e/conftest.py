@@ -16,7 +16,15 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
-from operator_e2e import CRDS, DEVICES_CRD, RECONCILER_ID, Devices, Operators, Store
+from operator_e2e import (
+    CRDS,
+    DEVICES_CRD,
+    RECONCILER_ID,
+    WEBSITES_CRD,
+    Devices,
+    Operators,
+    Store,
+)
 
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.integration import settings as process_settings
@@ -69,18 +77,32 @@ def no_environment() -> Iterator[None]:
 @pytest_asyncio.fixture
 async def devices_crd(http: aiohttp.ClientSession) -> None:
     """The example's CRD, established and discoverable (kept on a shared real cluster)."""
-    crd = yaml.safe_load(DEVICES_CRD.read_text())
+    await install_crd(http, yaml.safe_load(DEVICES_CRD.read_text()))
+
+
+@pytest_asyncio.fixture
+async def websites_crd(http: aiohttp.ClientSession) -> None:
+    """The Website example's CRD, established and discoverable."""
+    await install_crd(http, yaml.safe_load(WEBSITES_CRD.read_text()))
+
+
+async def install_crd(http: aiohttp.ClientSession, crd: dict[str, Any]) -> None:
+    """Create ``crd`` (unless it exists) and wait until its resource is served."""
     async with http.post(CRDS, json=crd) as response:
         assert response.status in (201, 409), await response.text()
+    spec = crd["spec"]
+    served = f"/apis/{spec['group']}/{spec['versions'][0]['name']}"
 
     async def discoverable() -> bool:
-        async with http.get("/apis/example.com/v1") as response:
+        async with http.get(served) as response:
             if response.status != 200:
                 return False
             resources = (await response.json()).get("resources", [])
-            return any(r.get("name") == "devices" for r in resources)
+            return any(r.get("name") == spec["names"]["plural"] for r in resources)
 
-    await eventually(discoverable, timeout=30, interval=0.1, message="devices CRD served")
+    await eventually(
+        discoverable, timeout=30, interval=0.1, message=f"{crd['metadata']['name']} served"
+    )
 
 
 @pytest_asyncio.fixture

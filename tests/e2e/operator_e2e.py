@@ -29,6 +29,8 @@ ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "operator" / "examples" / "devices.py"
 OPERATORS = Path(__file__).parent / "operators"
 DEVICES_CRD = ROOT / "crds" / "devices.yaml"
+WEBSITES = ROOT / "operator" / "examples" / "websites.py"
+WEBSITES_CRD = ROOT / "crds" / "websites.yaml"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 BIN = Path(sys.executable).parent
 # The example's reconciler id (the default: resource, then function), hence its lease and
@@ -36,6 +38,7 @@ BIN = Path(sys.executable).parent
 RECONCILER_ID = "devices.example.com-reconcile-device"
 CONTROLLER = "reconcile_device"  # ... and its controller name in metrics
 MERGE = {"Content-Type": "application/merge-patch+json"}
+HTTP_OK, HTTP_NOT_FOUND = 200, 404
 # What a process must not inherit: it would choose the leader elector or the pod identity.
 _INHERITED_NOT = ("KUBERNETES_SERVICE_HOST", "POD_NAME", "POD_NAMESPACE", "KOPF_RUN_PEERING")
 _ENDPOINTS = re.compile(r"serving (http://[0-9.]+:[0-9]+)/metrics")
@@ -281,6 +284,16 @@ def kopf_traces(body: dict[str, Any]) -> list[str]:
     metadata = body["metadata"]
     annotations = [k for k in metadata.get("annotations") or {} if "kopf" in k]
     return annotations + list(metadata.get("finalizers") or [])
+
+
+async def read_object(http: aiohttp.ClientSession, path: str) -> dict[str, Any] | None:
+    """The object at ``path``, or None when there is none."""
+    async with http.get(path) as response:
+        if response.status == HTTP_NOT_FOUND:
+            return None
+        assert response.status == HTTP_OK, await response.text()
+        body: dict[str, Any] = await response.json()
+        return body
 
 
 @asynccontextmanager

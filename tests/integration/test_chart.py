@@ -854,3 +854,40 @@ async def test_helm_test_hook_passes_only_while_a_live_leader_holds_the_lease(
         finally:
             await operators.stop_all()
             shutil.rmtree(image_rootfs / "run" / "secrets", ignore_errors=True)
+
+
+# The default watch entry, with finalizer= declared (a list index replaces the whole list).
+FINALIZED = (
+    "watch[0].apiGroup=example.com",
+    "watch[0].resources={devices}",
+    "watch[0].status=true",
+    "watch[0].finalizer=true",
+)
+
+
+def test_rbac_follows_declared_children_watches_and_finalizers() -> None:
+    assert not any(name.endswith("-related") for _, name in rules_by_role(render()))
+    roles = rules_by_role(
+        render(
+            "related[0].apiGroup=batch",
+            "related[0].resources={jobs}",
+            "related[0].write=true",
+            "related[1].apiGroup=apps",
+            "related[1].resources={deployments}",
+            *FINALIZED,
+        )
+    )
+    related = roles[("Role", "devices-related")]
+    assert related[0] == {
+        "apiGroups": ["batch"],
+        "resources": ["jobs"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+    }
+    assert related[1]["resources"] == ["deployments"] and related[1]["verbs"] == ["list", "watch"]
+    assert related[2] == {
+        "apiGroups": ["example.com"],
+        "resources": ["devices"],
+        "verbs": ["get", "patch"],
+    }
+    cluster_wide = rules_by_role(render("clusterWide=true", *FINALIZED))
+    assert ("ClusterRole", "devices-ops-related") in cluster_wide

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 import kopf_reconcile as kr
+from kopf_reconcile.fencing.writer import ReconcileLease, reconcile_lease
 from kopf_reconcile.testing.memory import (
     MemoryFencedRepository,
     MemoryLeaseElector,
@@ -143,3 +144,34 @@ async def test_stale_epoch_is_fenced_steps_down_and_converges_without_backoff() 
         {"controller": "devices", "shard": "", "outcome": "stale"},
     )
     assert fenced == 2 and writes == 2
+
+
+async def test_every_reconcile_knows_the_lease_it_runs_under_term_after_term() -> None:
+    """The lease a write outside the repository checks (a finalizer's removal)."""
+    store, repo = MemoryLeaseStore(), MemoryFencedRepository()
+    seen: list[tuple[str, ReconcileLease | None, bool]] = []
+
+    async def reconcile(req: kr.Request) -> None:
+        lease = reconcile_lease()
+        seen.append((req.entity_id, lease, lease is not None and lease.is_live()))
+
+    loop = fenced_loop(reconcile, store, repo)
+    async with loop:
+        await loop.enqueue(kr.Request("dev-1"))
+        await eventually(lambda: any(e == "dev-1" for e, _, _ in seen))
+        first = loop.stats().epoch
+        store.expire("devices")
+        other = MemoryLeaseElector(store)
+        token = await other.acquire_lease("devices")
+        await eventually(lambda: not loop.stats().is_leader)
+        await other.release_lease(token)
+        await eventually(lambda: loop.stats().is_leader)
+        await loop.enqueue(kr.Request("dev-2"))
+        await eventually(lambda: any(e == "dev-2" for e, _, _ in seen))
+        second = loop.stats().epoch
+    assert second > first
+    leases = {entity: lease for entity, lease, _ in seen if entity}
+    assert [lease.epoch for lease in leases.values() if lease] == [first, second]
+    assert all(live for _, _, live in seen)  # live while each ran...
+    assert not any(lease.is_live() for lease in leases.values() if lease)  # ...not after
+    assert reconcile_lease() is None  # nor outside a reconcile

@@ -13,6 +13,11 @@ check prevents split-brain.)
 (fast fail: a paused process that woke up past its lease does not even try),
 then the repository's monotonic epoch check, atomically in the database (the
 real guard).
+
+Writes the framework makes for a reconcile elsewhere (a finalizer's removal through
+the Kubernetes API) get the same local check from :func:`reconcile_lease`: the lease
+and epoch the running reconcile was dispatched under, bound by the Loop in each worker
+(a worker lives within one term) whether or not a fenced repository is configured.
 """
 
 from __future__ import annotations
@@ -102,6 +107,42 @@ def mint_writer(
         lease_is_live=lease_is_live,
         on_outcome=on_outcome,
     )
+
+
+class ReconcileLease:
+    """The lease a reconcile was dispatched under: its epoch, and whether it is still held."""
+
+    __slots__ = ("_is_live", "epoch")
+
+    def __init__(self, epoch: int, is_live: Callable[[int], bool]) -> None:
+        self.epoch = epoch
+        self._is_live = is_live
+
+    def is_live(self) -> bool:
+        """Whether this process still holds the lease, at this epoch (always True unled)."""
+        return self._is_live(self.epoch)
+
+    def __repr__(self) -> str:
+        return f"<ReconcileLease epoch={self.epoch}>"
+
+
+_lease: contextvars.ContextVar[ReconcileLease | None] = contextvars.ContextVar(
+    "kopf_reconcile_reconcile_lease", default=None
+)
+
+
+def reconcile_lease() -> ReconcileLease | None:
+    """The lease of the reconcile running in this context; None outside one."""
+    return _lease.get()
+
+
+def bind_lease(lease: ReconcileLease) -> contextvars.Token[ReconcileLease | None]:
+    """Make ``lease`` the current one (the Loop does this in each worker)."""
+    return _lease.set(lease)
+
+
+def unbind_lease(token: contextvars.Token[ReconcileLease | None]) -> None:
+    _lease.reset(token)
 
 
 def fenced_writer() -> FencedWriter | None:

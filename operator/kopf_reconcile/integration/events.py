@@ -22,7 +22,6 @@ in the namespaces of the objects it reconciles. The chart grants exactly that.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 import secrets
@@ -34,7 +33,7 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kopf_reconcile.events import EventRecord
-from kopf_reconcile.leader.kubernetes import connect_api
+from kopf_reconcile.integration.api_client import LazyApiClient
 
 __all__ = ["DEFAULT_COMPONENT", "KubernetesEventSink"]
 
@@ -72,13 +71,10 @@ class KubernetesEventSink:
         self._lookup = lookup
         self._component = component
         self._instance = instance or socket.gethostname()
-        self._api = api
-        self._owns_api = api is None
-        self._kubeconfig = kubeconfig
-        self._connecting = asyncio.Lock()
+        self._client = LazyApiClient(api, kubeconfig)
 
     async def post(self, record: EventRecord, previous: object | None) -> object | None:
-        core: Any = CoreV1Api(await self._client())  # dict bodies: untyped calls
+        core: Any = CoreV1Api(await self._client.get())  # dict bodies: untyped calls
         if isinstance(previous, tuple):
             namespace, name, base = previous
             if await self._update(core, namespace, name, base, record):
@@ -162,16 +158,7 @@ class KubernetesEventSink:
 
     async def close(self) -> None:
         """Close the client if it was made here."""
-        api, self._api = self._api, None
-        if api is not None and self._owns_api:
-            await api.close()
-
-    async def _client(self) -> ApiClient:
-        async with self._connecting:
-            if self._api is None:
-                self._api = await connect_api(self._kubeconfig)
-                self._owns_api = True
-            return self._api
+        await self._client.close()
 
     def __repr__(self) -> str:
         return f"<KubernetesEventSink component={self._component!r} at {self._instance!r}>"

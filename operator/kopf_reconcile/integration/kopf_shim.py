@@ -15,8 +15,9 @@ The decorator registers four handlers on kopf's registry for one reconciler:
   listing and DELETED included, it stores the body in the reconciler's
   :class:`~kopf_reconcile.cache.ObjectCache` and enqueues ``<namespace>/<name>``
   (``<name>`` for cluster-scoped objects). It never writes to the object: no
-  kopf progress annotations, no finalizers, so any number of replicas can
-  watch the same objects, and the reconciler reads the body with
+  kopf progress annotations, no finalizers (a reconciler with ``finalizer=`` gets its
+  one finalizer added and removed by the leader's reconciles, see below), so any
+  number of replicas can watch the same objects, and the reconciler reads the body with
   :func:`kopf_reconcile.cached`. The handler makes kopf watch the resource; the
   events themselves reach the cache straight from kopf's watch stream (see
   "Watch streams" below), and the handler then does nothing;
@@ -52,7 +53,8 @@ itself never sees that request.
 that stops matching looks deleted to the reconciler (``cached`` returns None),
 as a Kubernetes watch with a selector reports it. Only selected objects can
 be gone for the reconciler: the deletion of an object it never selected is
-not its business and triggers nothing.
+not its business and triggers nothing (unless the object carries the reconciler's
+finalizer: it is then reconciled as gone to release it, see ``finalizers``).
 
 Watch streams. The shim wraps kopf's watch stream of each resource it reconciles
 (``kopf._cogs.clients.watching.infinite_watch``) and hands every event, in the
@@ -79,6 +81,13 @@ as client-go's informers do (:mod:`kopf_reconcile.integration.relisting`). The
 reconcilers, and every kopf handler of that resource in the operator when kopf sees
 its events, get those as they get real ones.
 
+Children and finalizers. ``owns=`` and ``watches=`` register an ``on.event`` handler
+per related resource too (fed from its watch stream like the reconciled resource's):
+its events reconcile their owner (:mod:`kopf_reconcile.integration.related`).
+``finalizer=`` wraps each reconcile: the finalizer is added before an object's first
+reconcile and removed, lease-checked, after a successful cleanup of the deleting object
+(:mod:`kopf_reconcile.integration.finalizers`).
+
 Reconciler ids. By default a reconciler's id (its lease name and fenced
 scope) is derived from the resource and the function's name,
 ``<plural>.<group>-<function>``; a function named only ``reconcile`` (or
@@ -89,6 +98,7 @@ another name that says nothing of its purpose) needs an explicit
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -96,7 +106,7 @@ import functools
 import inspect
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 import kopf
@@ -116,8 +126,17 @@ from kopf_reconcile.config import DEFAULT_INTERVAL, LoopConfig, validate_name
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.integration import settings as process_settings
 from kopf_reconcile.integration.events import KubernetesEventSink
+from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing, finalizer_name
 from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX, install_quiet_event_handlers
 from kopf_reconcile.integration.naming import derived_reconciler_id, is_generic_name
+from kopf_reconcile.integration.related import (
+    Owns,
+    Related,
+    RelatedObjects,
+    Watches,
+    parse_related,
+    serving_related,
+)
 from kopf_reconcile.integration.relisting import ListingTracker
 from kopf_reconcile.leader.protocol import LeaderElector
 from kopf_reconcile.loop import Loop
@@ -226,6 +245,8 @@ class _Options:
     events: bool = True  # Kubernetes Events on the objects (see integration.events)
     # One lease per shard (see sharded_loop); one shard: not sharded.
     shards: ShardAssignment = dataclasses.field(default_factory=lambda: ShardAssignment(1))
+    related: tuple[Related, ...] = ()  # owned and watched resources (see related)
+    finalizer: str | None = None  # the finalizer's name (see finalizers)
 
 
 class _Registration:
@@ -237,12 +258,15 @@ class _Registration:
         self.registry = registry
         self.loop: Loop | None = None
         self.cache: ObjectCache | None = None
+        self.related: RelatedObjects | None = None
+        self.finalizing: Finalizing | None = None
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
         self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
         # The kopf settings of the operator that started this reconciler: its watch
         # streams feed this reconciler directly (see _install_relist_sweep).
         self.settings: object | None = None
-        self.feeding_streams = 0  # kopf watch streams that feed it now
+        # kopf watch streams that feed it now, per (group, plural) they watch.
+        self.feeding_streams: collections.Counter[tuple[str, str]] = collections.Counter()
 
     @property
     def reconciler_id(self) -> str:
@@ -257,13 +281,22 @@ class _Registration:
         kopf.on.cleanup(id=f"{prefix}/cleanup", registry=reg)(self.cleanup)
         # A probe that raises would make kopf's liveness endpoint hang: never retry it.
         kopf.on.probe(id=prefix, errors=permanent, registry=reg)(self.probe)
-        kopf.on.event(
-            group=o.group or None,
-            version=o.version,
-            plural=o.plural,
-            id=f"{prefix}/events",
-            registry=reg,
-        )(self.on_kopf_event)
+        watched: list[tuple[str, str, str, str, Callable[..., Any]]] = [
+            (o.group, o.version, o.plural, "events", self.on_kopf_event)
+        ]
+        for r in o.related:
+            on_related = functools.partial(self.on_kopf_related_event, r.key)
+            watched.append(
+                (r.group, r.version, r.plural, f"related/{r.plural}.{r.group}", on_related)
+            )
+        for group, version, plural, suffix, handler in watched:
+            kopf.on.event(
+                group=group or None,
+                version=version,
+                plural=plural,
+                id=f"{prefix}/{suffix}",
+                registry=reg,
+            )(handler)
 
     # -- kopf handlers -----------------------------------------------------------------
 
@@ -281,6 +314,11 @@ class _Registration:
             if elector is not None or o.fenced is not FROM_SETTINGS:
                 repository = await self._resolve("fenced", o.fenced, config.build_fenced_repository)
             cache = ObjectCache(transform=o.cache_transform)
+            related = RelatedObjects(o.related, o.cache_transform)
+            if o.finalizer is not None:
+                writer = FinalizerWriter(o.finalizer, o.group, o.version, o.plural)
+                self._owned.append(writer)
+                self.finalizing = Finalizing(writer)
             builder = (
                 Builder(self.reconcile, o.tenancy)
                 .with_trigger(cache)
@@ -311,11 +349,12 @@ class _Registration:
                 builder.with_events(sink)
             loop = builder.build()
             self.cache = cache
+            self.related = related
             await loop.start()
             self.loop = loop
             self.settings = settings  # from now on its watch streams feed the cache
         except BaseException:
-            self.cache = None
+            self.cache = self.related = self.finalizing = None
             await self._close_owned()
             raise
         logger.info(
@@ -355,7 +394,7 @@ class _Registration:
             if loop is not None:
                 await loop.stop()
         finally:
-            self.cache = None
+            self.cache = self.related = self.finalizing = None
             await self._close_owned()
 
     async def probe(self, **_: Any) -> dict[str, object]:
@@ -363,8 +402,21 @@ class _Registration:
 
     async def on_kopf_event(self, event: Mapping[str, Any], **_: Any) -> None:
         """kopf's on.event handler: only for events its watch stream did not deliver."""
-        if not self.feeding_streams:
+        if not self.feeding_streams[(self.options.group, self.options.plural)]:
             await self.on_event(event)
+
+    async def on_kopf_related_event(
+        self, key: tuple[str, str], event: Mapping[str, Any], **_: Any
+    ) -> None:
+        """kopf's on.event handler of a related resource (as :meth:`on_kopf_event`)."""
+        if not self.feeding_streams[key]:
+            await self.on_related_event(key, event)
+
+    async def on_related_event(self, key: tuple[str, str], event: Mapping[str, Any]) -> None:
+        """One watch event of an owned or watched resource: requests for its owners."""
+        cache, related = self.cache, self.related
+        if cache is not None and related is not None:
+            await related.on_event(key, event, cache)
 
     async def on_event(self, event: Mapping[str, Any], **_: Any) -> None:
         """One watch event: store (or drop) the body in the cache, request a reconcile."""
@@ -377,9 +429,15 @@ class _Registration:
         if not name:
             return
         entity_id = f"{namespace}/{name}" if namespace else str(name)
-        if event.get("type") == "DELETED":
+        deleted = event.get("type") == "DELETED"
+        selected = not deleted and self.options.selection.matches(body)
+        # Outside the selection yet carrying the finalizer: reconciled as gone to release it.
+        release = self.finalizing is not None and self.finalizing.observe(
+            entity_id, body, deleted=deleted, selected=selected
+        )
+        if deleted:
             await cache.remove(entity_id, body)  # only what was selected is gone for the reconciler
-        elif self.options.selection.matches(body):
+        elif selected:
             await cache.update(
                 entity_id,
                 body,
@@ -387,19 +445,43 @@ class _Registration:
                 and event.get("type") == "MODIFIED",
             )
         else:  # this incarnation left the selection: to the reconciler it is gone
+            held = entity_id in cache
             await cache.forget(entity_id, body)  # (not deleted: it may match again)
+            if release and not held:
+                await cache.request(entity_id)
+
+    def watches(self, key: tuple[str, str], version: str | None = None) -> bool:
+        """Whether this reconciler watches resource ``key`` (at ``version``, when given)."""
+        o = self.options
+        versions = [o.version] if key == (o.group, o.plural) else []
+        versions += [r.version for r in o.related if r.key == key]
+        return bool(versions) and (version is None or version in versions)
+
+    def maps(self, key: tuple[str, str]) -> bool:
+        """Whether a ``watches=`` entry of this reconciler maps resource ``key``'s objects."""
+        return any(r.key == key and r.map_to is not None for r in self.options.related)
+
+    def feeder(self, key: tuple[str, str]) -> Feeder:
+        """What takes the events of resource ``key``'s watch stream for this reconciler."""
+        if key == (self.options.group, self.options.plural):
+            return self.reconciler_id, self.on_event
+        return self.reconciler_id, functools.partial(self.on_related_event, key)
 
     # -- the reconcile the Loop calls ----------------------------------------------------
 
     async def reconcile(self, req: Request) -> object:
-        cache = self.cache
-        if cache is None:  # stopped between dispatch and now
+        cache, related = self.cache, self.related
+        if cache is None or related is None:  # stopped between dispatch and now
             return None
         if req.entity_id == RESYNC_ALL:
             cache.request_resync()
             return None
-        with serving(cache):
-            return await self.fn(req)  # the Loop checks what it returns
+        with serving(cache), serving_related(related, cache):
+            if self.finalizing is None:
+                return await self.fn(req)  # the Loop checks what it returns
+            return await self.finalizing.reconcile(
+                cache.get(req.entity_id), req.entity_id, functools.partial(self.fn, req)
+            )
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -530,6 +612,9 @@ def reconciler(
     generation_changed: bool = False,
     shards: int = 1,
     shard_by_namespace: bool = False,
+    owns: Iterable[Owns | tuple[str, str, str]] | None = None,
+    watches: Iterable[Watches] | None = None,
+    finalizer: bool | str | None = None,
     registry: Any = None,
 ) -> Callable[[F], F]:
     """Register the decorated reconciler for ``group/version/plural`` objects with kopf.
@@ -572,6 +657,16 @@ def reconciler(
       replicas reconcile at once (default 1: one leader; see
       :mod:`kopf_reconcile.sharded_loop`); ``shard_by_namespace``: assign whole
       namespaces to shards instead of single objects. Needs a leader.
+    * ``owns``: child resources (``kr.Owns(group, version, plural, labels=...)`` or a
+      ``(group, version, plural)`` tuple): an event of an object whose controller owner
+      reference points to a reconciled object reconciles that object; ``kr.owned(req)``
+      returns its cached children. ``watches``: ``kr.Watches(group, version, plural,
+      map_to)``: an event of such an object reconciles the entity ids ``map_to(body)``
+      returns (see :mod:`kopf_reconcile.integration.related`).
+    * ``finalizer``: True (named ``<group>/<reconciler_id>``) or a finalizer name: added
+      before an object's first reconcile, removed once the reconciler returned without an
+      error for the deleting object (see :mod:`kopf_reconcile.integration.finalizers`).
+      Default None: no finalizer.
     * ``registry``: a kopf ``OperatorRegistry`` (default: kopf's default registry).
     """
     for option, value in (("version", version), ("plural", plural)):
@@ -592,6 +687,7 @@ def reconciler(
     if not isinstance(generation_changed, bool):
         raise ConfigError(f"generation_changed must be True or False, got {generation_changed!r}")
     assignment = ShardAssignment(validate_shards(shards), shard_by_namespace)
+    related = parse_related(owns, watches, (group, plural))
     if assignment.shards > 1 and leader is None:
         raise ConfigError(
             f"shards={shards} requires a leader: each shard is led under a lease of its own"
@@ -648,6 +744,8 @@ def reconciler(
             generation_changed=generation_changed,
             ambiguous=reconciler_id is None and is_generic_name(controller),
             shards=assignment,
+            related=related,
+            finalizer=finalizer_name(finalizer, group, rid),
         )
         registration = _Registration(reconcile_fn, options, real_registry)
         if leader is not None and leader is not FROM_SETTINGS:
@@ -706,11 +804,8 @@ def _install_relist_sweep() -> None:
         *, resource: Any, settings: Any = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
         stream = original(resource=resource, settings=settings, **kwargs)
-        reconcilers = [
-            r
-            for r in _registrations
-            if r.options.group == resource.group and r.options.plural == resource.plural
-        ]
+        key = (resource.group, resource.plural)
+        reconcilers = [r for r in _registrations if r.watches(key)]
         # The reconcilers of the operator running this stream, started: fed from here.
         # Not on the streams kopf's own observers read (namespaces for a namespace glob,
         # CRDs for resources that appear later): those must reach kopf whole, so there
@@ -720,9 +815,10 @@ def _install_relist_sweep() -> None:
             for r in reconcilers
             if settings is not None
             and r.settings is settings
-            and r.options.version == getattr(resource, "version", r.options.version)
-            and (resource.group, resource.plural) not in _OBSERVED_BY_KOPF
+            and r.watches(key, getattr(resource, "version", None))
+            and key not in _OBSERVED_BY_KOPF
         ]
+        feeders = [r.feeder(key) for r in fed]
         # Without other kopf handlers of the resource, kopf need not see the events at all.
         alone = bool(fed) and not any(_kopf_handles(r.registry, resource) for r in fed)
         async with contextlib.aclosing(stream):
@@ -730,26 +826,27 @@ def _install_relist_sweep() -> None:
                 async for item in stream:
                     yield item
                 return
-            # Kept for the sweep: the last bodies for kopf's handlers, else identities only.
-            tracker = ListingTracker(whole_bodies=not alone)
+            # Kept for the sweep: the last bodies for kopf's handlers and map_to functions,
+            # else identities only (a child's owner is then read from its cached body).
+            tracker = ListingTracker(whole_bodies=not alone or any(r.maps(key) for r in fed))
             for registration in fed:
-                registration.feeding_streams += 1
+                registration.feeding_streams[key] += 1
             try:
                 async for item in stream:
                     if item is listed_marker:
                         for deleted in tracker.listed():
-                            await _feed(fed, deleted)
+                            await _feed(feeders, deleted)
                             if not alone:
                                 yield deleted
                     elif isinstance(item, Mapping):
                         tracker.observe(item)
-                        await _feed(fed, item)
+                        await _feed(feeders, item)
                         if alone:
                             continue
                     yield item
             finally:
                 for registration in fed:
-                    registration.feeding_streams -= 1
+                    registration.feeding_streams[key] -= 1
 
     infinite_watch._kopf_reconcile_sweeps = True  # type: ignore[attr-defined]
     watching.infinite_watch = infinite_watch
@@ -780,25 +877,32 @@ def _kopf_handles(registry: Any, resource: Any) -> bool:
     return False
 
 
-async def _feed(registrations: list[_Registration], event: Mapping[str, Any]) -> None:
+Feeder: TypeAlias = tuple[str, Callable[[Mapping[str, Any]], Awaitable[None]]]
+
+
+async def _feed(feeders: list[Feeder], event: Mapping[str, Any]) -> None:
     """One watch event to each reconciler fed by this stream; a failure is logged, not raised."""
-    for registration in registrations:
+    for reconciler_id, feed in feeders:
         try:
-            await registration.on_event(event)
+            await feed(event)
         except Exception:
-            logger.exception(
-                "reconciler %s could not take a watch event", registration.reconciler_id
-            )
+            logger.exception("reconciler %s could not take a watch event", reconciler_id)
 
 
 def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:
-    """(group, version, plural) of every reconciler registered on ``registry`` (readiness)."""
+    """(group, version, plural) of every resource the reconcilers registered on ``registry``
+    watch, owned and watched resources included (readiness)."""
     real_registry = kopf.get_default_registry() if registry is None else registry
-    return [
-        (r.options.group, r.options.version, r.options.plural)
-        for r in _registrations
-        if r.registry is real_registry
-    ]
+    resources: list[tuple[str, str, str]] = []
+    for r in _registrations:
+        if r.registry is real_registry:
+            o = r.options
+            for resource in [(o.group, o.version, o.plural)] + [
+                (x.group, x.version, x.plural) for x in o.related
+            ]:
+                if resource not in resources:
+                    resources.append(resource)
+    return resources
 
 
 def status(registry: Any = None) -> dict[str, dict[str, object]]:

@@ -13,8 +13,8 @@ watch from the version that list returned. The watch is closed as soon as the
 API server answers 200: authorization and admission are decided before the
 first event, so the answer is the verdict. Targets are what kopf watches:
 CustomResourceDefinitions (always), namespaces (when it watches namespaces
-by name, to match its patterns), and each reconciler's resource in each
-watched namespace (or cluster-wide).
+by name, to match its patterns), and each reconciler's resource (and the resources
+it owns or watches) in each watched namespace (or cluster-wide).
 
 :meth:`WatchProbe.problem` is ``None`` while every target's last check passed,
 else a one-line reason (for ``/readyz`` and the log). A probe that has not yet
