@@ -83,8 +83,8 @@ class LoopConfig:
     #: reconciler id is ``<id>-shard-<k>``, a suffix no other reconciler may take.
     shard_of: str | None = None
     #: Set with ``shard_of``: the ``controller`` and ``shard`` labels of that Loop's
-    #: metrics (the sharded reconciler's name, the shard's number); None: the Loop's
-    #: own name and ``shard=""``.
+    #: metrics (the sharded reconciler's id, the shard's number); None: the Loop's
+    #: own reconciler id and ``shard=""``.
     metric_labels: tuple[str, str] | None = None
 
     def names(self) -> tuple[str, str]:

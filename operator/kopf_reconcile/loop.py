@@ -201,7 +201,7 @@ class Loop:
         )
         self._added = asyncio.get_running_loop().create_future()
         self._added.set_result(None)
-        controller, shard = cfg.metric_labels or (self._name, "")
+        controller, shard = cfg.metric_labels or (self._reconciler_id, "")
         self._metrics = BoundMetrics(
             cfg.metrics,
             controller,

@@ -77,7 +77,7 @@ class Stack:
 
     def __init__(self, *, keep: bool, reconciler: str) -> None:
         self.keep = keep
-        self.reconciler = reconciler  # the controller label in the replicas' metrics
+        self.reconciler = reconciler  # its id: the controller label in the replicas' metrics
         self.workdir = Path(tempfile.mkdtemp(prefix="kopf-reconcile-demo-"))
         self.kubeconfig = self.workdir / "kubeconfig"
         self.replicas: list[Replica] = []
