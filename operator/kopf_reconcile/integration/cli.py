@@ -83,6 +83,7 @@ logger = logging.getLogger("kopf_reconcile.cli")
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # a configuration error, as argparse's usage errors
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # the reader left (`| head -1`): as SIGPIPE ends kubectl
 NAMESPACE_CHECK_TIMEOUT = 10.0  # an API server that does not answer is not a config error
 DATABASE_CHECK_TIMEOUT = 10.0  # nor is a database that does not answer
 # kopf's own signal handling SIGKILLs a shutdown that hangs this long (its
@@ -92,6 +93,20 @@ ULTIMATE_EXIT_TIMEOUT = 600.0
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run the subcommand; returns the exit status."""
+    try:
+        try:
+            return _command(argv)
+        finally:  # a reader that left is found here, not in the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Nobody reads the rest: say nothing more, and keep the interpreter's last flush of
+        # stdout from failing again with a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _command(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         result: int = args.command(args)
