@@ -806,7 +806,7 @@ async def _show_status(args: argparse.Namespace, config: Settings) -> int:
     queues = await _leader_queues(args.endpoints)
     now = datetime.datetime.now(datetime.UTC)
     rows = []
-    for record in records:
+    for record in _without_left_stores(records, now):
         rid = record.reconciler_id
         if changes is not None:
             failovers = str(changes.get(rid, 0))
@@ -835,6 +835,27 @@ async def _show_status(args: argparse.Namespace, config: Settings) -> int:
     for line in format_table(_STATUS_COLUMNS, [tuple(map(escape_terminal, r)) for r in rows]):
         print(line)
     return status
+
+
+def _without_left_stores(
+    records: Sequence[LeaseRecord], now: datetime.datetime
+) -> list[LeaseRecord]:
+    """The records, less those a reconciler left behind in a lease store it no longer uses.
+
+    After a switch of KOPF_RECONCILE_LEADER (PostgreSQL rows to Kubernetes Leases, or back)
+    the old store keeps a released or expired record: shown, it would be a second, stale
+    row of a reconciler that is held in the other store.
+    """
+
+    def store(record: LeaseRecord) -> str:
+        return "postgresql" if record.namespace is None else "kubernetes"
+
+    held = {(r.reconciler_id, store(r)) for r in records if r.held_at(now)}
+    return [
+        r
+        for r in records
+        if r.held_at(now) or not any(rid == r.reconciler_id and s != store(r) for rid, s in held)
+    ]
 
 
 async def _postgres_lease_records(url: str) -> list[LeaseRecord]:
