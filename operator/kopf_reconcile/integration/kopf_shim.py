@@ -24,7 +24,10 @@ The decorator registers four handlers on kopf's registry for one reconciler:
   and releasing the lease so a peer takes over at once) and closes what the
   startup handler created. kopf runs cleanup handlers one after another, so
   the first one of a registry begins the stop of every Loop in it at once:
-  the operator stops within one stop timeout, not one per reconciler;
+  the operator stops within one stop timeout, not one per reconciler. The
+  shim's cleanup handlers run before every other one of the registry, wherever
+  those are written: a user's ``@kopf.on.cleanup`` (closing a pool the
+  reconciler uses) runs once every Loop has stopped and released its lease;
 * a **probe** (kopf's liveness endpoint) reporting leadership, epoch and queue.
 
 Events. The leader's Loop records Kubernetes Events on the objects (a failed
@@ -255,6 +258,7 @@ class _Registration:
         reg = self.registry
         kopf.on.startup(id=f"{prefix}/startup", errors=permanent, registry=reg)(self.startup)
         kopf.on.cleanup(id=f"{prefix}/cleanup", registry=reg)(self.cleanup)
+        _first_among_cleanups(reg, f"{prefix}/cleanup")
         # A probe that raises would make kopf's liveness endpoint hang: never retry it.
         kopf.on.probe(id=prefix, errors=permanent, registry=reg)(self.probe)
         kopf.on.event(
@@ -475,6 +479,23 @@ class _Registration:
                     await result
             except Exception as exc:
                 logger.warning("closing %r failed: %r", adapter, exc)
+
+
+def _first_among_cleanups(registry: Any, handler_id: str) -> None:
+    """Run this cleanup handler before every other one of the registry, wherever they are.
+
+    kopf runs cleanup handlers one after another, in the order they were registered. A
+    user's ``@kopf.on.cleanup`` written above the reconciler (closing a pool or a client the
+    reconciler uses) would otherwise run while its Loop still reconciles and holds the lease.
+    """
+    handlers = getattr(getattr(registry, "_activities", None), "_handlers", None)
+    if not isinstance(handlers, list):  # pragma: no cover - another kopf layout
+        logger.warning(
+            "this kopf version's registry cannot be ordered: cleanup handlers registered "
+            "before a reconciler run before its Loop stops"
+        )
+        return
+    handlers.sort(key=lambda handler: getattr(handler, "id", None) != handler_id)  # stable
 
 
 _ADAPTER_METHODS = {
