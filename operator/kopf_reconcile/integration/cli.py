@@ -34,6 +34,9 @@ reporting failures on one line.)
   entity's rows move to its new shard scope, and the new layout is recorded
   (``PostgresFencedRepository.reshard``).
 
+* ``kopf-reconcile init NAME`` writes a new operator project into an empty folder
+  (:mod:`kopf_reconcile.commands.init`).
+
 As ``kubectl-reconcile`` the same commands are a kubectl plugin: ``kubectl reconcile status``.
 
 The database URL of ``migrate``, ``leases`` and the others comes from
@@ -67,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from kopf_reconcile.api import ConfigError
+from kopf_reconcile.commands import init
 from kopf_reconcile.database import redact_dsn
 from kopf_reconcile.integration import logs, shard_leases
 from kopf_reconcile.integration import settings as process_settings
@@ -275,6 +279,9 @@ def _parser() -> argparse.ArgumentParser:
         "--keep", action="store_true", help="keep the temporary directory (logs, kubeconfig)"
     )
     demo.set_defaults(command=_demo)
+
+    # Commands in modules of their own (kopf_reconcile.commands.<command>).
+    init.add_parser(commands)
     return parser
 
 
