@@ -36,6 +36,8 @@ reporting failures on one line.)
 
 * ``kopf-reconcile init NAME`` writes a new operator project into an empty folder
   (:mod:`kopf_reconcile.commands.init`).
+* ``kopf-reconcile dev [HANDLERS]`` starts an embedded Kubernetes API and PostgreSQL for your
+  own work and runs the handlers on them (:mod:`kopf_reconcile.commands.dev`).
 
 As ``kubectl-reconcile`` the same commands are a kubectl plugin: ``kubectl reconcile status``.
 
@@ -70,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from kopf_reconcile.api import ConfigError
-from kopf_reconcile.commands import init
+from kopf_reconcile.commands import dev, init
 from kopf_reconcile.database import redact_dsn
 from kopf_reconcile.integration import logs, shard_leases
 from kopf_reconcile.integration import settings as process_settings
@@ -282,6 +284,7 @@ def _parser() -> argparse.ArgumentParser:
 
     # Commands in modules of their own (kopf_reconcile.commands.<command>).
     init.add_parser(commands)
+    dev.add_parser(commands)
     return parser
 
 
