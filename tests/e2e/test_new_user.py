@@ -192,9 +192,17 @@ async def test_dev_runs_the_handlers_and_reloads_them(project: Path, dev: Dev) -
     assert (await status())["epoch"] >= 1  # PostgreSQL leases, fenced writes
 
     handlers = project / "handlers.py"
-    handlers.write_text(handlers.read_text() + "\n# changed\n")
+    written = handlers.read_text()
+    handlers.write_text(written + "\n# changed\n")
     await eventually(lambda: dev.count(ready) == 2, timeout=90, message="\n".join(dev.lines))
     assert dev.count("changed, restarting the operator") == 1
+    # A mistake stops the operator, not the session; the fix starts it again.
+    handlers.write_text(written + "\nthis is not Python\n")
+    await eventually(
+        lambda: dev.count("did not start") == 1, timeout=90, message="\n".join(dev.lines)
+    )
+    handlers.write_text(written)
+    await eventually(lambda: dev.count(ready) == 3, timeout=90, message="\n".join(dev.lines))
 
     dev.process.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(dev.process.wait(), 60) == 0

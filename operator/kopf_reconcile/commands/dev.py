@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import shlex
 import signal
 from pathlib import Path
@@ -110,7 +111,9 @@ async def _operate(
     stack: Any, handlers: Path, env: dict[str, str], stop: asyncio.Event, *, reload: bool
 ) -> int:
     """Run the operator until ``stop``; with ``reload``, again after every change of a
-    ``.py`` file in the handlers' folder."""
+    ``.py`` file in the handlers' folder, and after it failed, once it changed."""
+    from kopf_reconcile.demo.stack import DemoError
+
     watched = handlers.parent
     while True:
         seen = _mtimes(watched)
@@ -120,41 +123,55 @@ async def _operate(
             + (f"; restarting it when a .py file in {watched} changes" if reload else ""),
             flush=True,
         )
-        await stack.wait_ready(replica)
-        print(READY_LINE, flush=True)
+        try:
+            await stack.wait_ready(replica)
+        except DemoError:
+            started = False
+        else:
+            started = True
+            print(READY_LINE, flush=True)
         changed = False
-        while not stop.is_set() and replica.process.returncode is None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RELOAD_POLL):
-                    await stop.wait()
-            if reload and _mtimes(watched) != seen:
-                changed = True
+        while started and not stop.is_set() and replica.process.returncode is None:
+            await _pause(stop)
+            changed = reload and _mtimes(watched) != seen
+            if changed:
                 break
         await stack.stop(replica)
+        if stop.is_set():
+            return 0
         if not changed:
-            if stop.is_set():
-                return 0
-            print(f"the operator exited with {replica.process.returncode}", flush=True)
+            what = "did not start" if not started else "stopped"
+            print(f"the operator {what} (exit status {replica.process.returncode})", flush=True)
             if not reload:
                 return 1
-            await _wait_for_change(watched, _mtimes(watched), stop)  # fix it, then it restarts
+            print("it starts again when a .py file changes", flush=True)
+            while not stop.is_set() and _mtimes(watched) == seen:
+                await _pause(stop)
             if stop.is_set():
                 return 0
         print(f"{handlers}: changed, restarting the operator", flush=True)
 
 
-async def _wait_for_change(folder: Path, seen: dict[Path, float], stop: asyncio.Event) -> None:
-    while not stop.is_set() and _mtimes(folder) == seen:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(RELOAD_POLL):
-                await stop.wait()
+async def _pause(stop: asyncio.Event) -> None:
+    """Until ``stop`` or for :data:`RELOAD_POLL` seconds, whichever comes first."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(RELOAD_POLL):
+            await stop.wait()
 
 
-def _mtimes(folder: Path) -> dict[Path, float]:
+def _mtimes(folder: Path) -> dict[str, float]:
+    """Modification times of the ``.py`` files in ``folder`` and below (hidden folders, caches
+    and virtual environments left out)."""
     times = {}
-    for path in folder.rglob("*.py"):
-        with contextlib.suppress(OSError):
-            times[path] = path.stat().st_mtime
+    for root, folders, files in os.walk(folder):
+        folders[:] = [
+            f for f in folders if not f.startswith(".") and f not in ("__pycache__", "venv")
+        ]
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with contextlib.suppress(OSError):
+                    times[path] = os.stat(path).st_mtime
     return times
 
 
