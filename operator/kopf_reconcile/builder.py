@@ -88,12 +88,13 @@ class Builder:
         return self
 
     def with_name(self, name: str) -> Self:
-        """Controller name in metrics and logs. Default: the reconciler's name."""
+        """Controller name in logs. Default: the reconciler's name."""
         self._config.name = validate_name(name)
         return self
 
     def with_reconciler_id(self, reconciler_id: str) -> Self:
-        """Lease name and fencing scope (RFC 1123 subdomain). Default: derived from the name."""
+        """Lease name, fencing scope and metrics' ``controller`` label (RFC 1123 subdomain).
+        Default: derived from the name."""
         self._config.reconciler_id = reconciler_id
         return self
 

@@ -162,12 +162,12 @@ class Loop:
 
     @property
     def name(self) -> str:
-        """The controller name (metrics label, logs)."""
+        """The controller name (logs)."""
         return self._name
 
     @property
     def reconciler_id(self) -> str:
-        """The lease name and fencing scope."""
+        """The lease name, fencing scope and metrics' ``controller`` label."""
         return self._reconciler_id
 
     def stats(self) -> LoopStats:

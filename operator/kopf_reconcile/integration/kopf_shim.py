@@ -574,8 +574,8 @@ def reconciler(
       and ``DeadLettered``, Normal ``Reconciled`` after a failure, and the
       reconciler's own through ``kr.event``), posted by the leader in the background,
       aggregated and rate-limited (default True; see :mod:`kopf_reconcile.events`).
-    * ``name``: controller name in metrics and logs (default: the function's name);
-      ``reconciler_id``: lease name and fencing scope (default:
+    * ``name``: controller name in logs (default: the function's name);
+      ``reconciler_id``: lease name, fencing scope and metrics' ``controller`` (default:
       ``<plural>.<group>-<name>``, see :mod:`kopf_reconcile.integration.naming`; required with a
       leader when the name says only that it reconciles, such as ``reconcile``).
     * ``renew_interval``: lease renewal period (default: ``KOPF_RECONCILE_RENEW_INTERVAL``).
