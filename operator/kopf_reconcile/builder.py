@@ -52,7 +52,9 @@ class Builder:
         return self
 
     def with_backoff(self, base: Duration, maximum: Duration) -> Self:
-        """Per-entity retry delay ``base·2ⁿ`` capped at ``maximum``. Default 5 ms, 1000 s."""
+        """Per-entity retry delay: after the n-th failure in a row, drawn uniformly from
+        ``[0, min(maximum, base·2ⁿ⁻¹)]`` (full jitter: ``base`` is no minimum). Default 5 ms,
+        1000 s."""
         self._config.backoff_base = seconds("backoff base", base)
         self._config.backoff_max = seconds("backoff max", maximum)
         return self

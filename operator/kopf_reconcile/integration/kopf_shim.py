@@ -562,7 +562,8 @@ def reconciler(
     * ``interval``: every this long, every live object is reconciled again (default
       10 h, controller-runtime's SyncPeriod); ``Result(requeue_after=...)`` asks for one
       object sooner.
-    * ``backoff``: ``(base, max)`` of the per-object retry delay (default 5 ms, 1000 s).
+    * ``backoff``: ``(base, max)`` of the per-object retry delay, drawn from
+      ``[0, min(max, base·2ⁿ⁻¹)]`` after the n-th failure in a row (default 5 ms, 1000 s).
     * ``leader``, ``fenced``: a ``LeaderElector`` / ``FencedRepository``, a factory
       (sync or async, called at startup inside kopf's event loop) returning one, or
       None (single-process mode / no fencing). By default both come from the
