@@ -28,6 +28,7 @@ async def test_it_runs_the_handlers_and_stops_with_sigterm_despite_a_kept_connec
                 assert response.status == 200
                 assert "kopf_reconcile_reconcile_total" in await response.text()
             assert await operator.stop() == 0, operator.output  # not SIGKILLed after 10 s
+    assert not operator.log.exists()
 
 
 async def test_a_handlers_file_that_fails_is_reported_with_its_log(
@@ -35,7 +36,9 @@ async def test_a_handlers_file_that_fails_is_reported_with_its_log(
 ) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('the handlers cannot be imported')\n")
+    operator = OperatorProcess(broken, kubeconfig=embedded_cluster.kubeconfig)
     with pytest.raises(RuntimeError, match="exited with 1 before it was ready") as failed:
-        async with OperatorProcess(broken, kubeconfig=embedded_cluster.kubeconfig):
+        async with operator:
             pass
     assert "the handlers cannot be imported" in str(failed.value)
+    assert not operator.log.exists()  # its content is in the error

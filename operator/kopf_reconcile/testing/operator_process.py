@@ -94,7 +94,9 @@ class OperatorProcess:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.port = 0
-        self.log = Path(tempfile.mkstemp(prefix="kopf-reconcile-operator-", suffix=".log")[1])
+        descriptor, log = tempfile.mkstemp(prefix="kopf-reconcile-operator-", suffix=".log")
+        os.close(descriptor)  # the process gets a file of its own
+        self.log = Path(log)
         self._process: asyncio.subprocess.Process | None = None
 
     @property
@@ -104,7 +106,8 @@ class OperatorProcess:
 
     @property
     def output(self) -> str:
-        """What it logged so far (text lines)."""
+        """What it logged so far (text lines); the file is removed when ``async with`` ends
+        without an error, and kept (``.log``) otherwise."""
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     @property
@@ -136,6 +139,7 @@ class OperatorProcess:
             await self._wait_ready()
         except BaseException:
             await self.stop()
+            self.log.unlink(missing_ok=True)  # what it said is in the error
             raise
 
     async def _wait_ready(self) -> None:
