@@ -55,6 +55,13 @@ async def ahelm(*args: str, kubeconfig: str | None = None) -> subprocess.Complet
     return await asyncio.to_thread(helm, *args, kubeconfig=kubeconfig)
 
 
+def rendered(*args: str, chart: Path = CHART) -> list[dict[str, Any]]:
+    """``helm template devices CHART --namespace=ops ARGS``: its documents (it must succeed)."""
+    result = helm("template", "devices", str(chart), "--namespace=ops", *args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
 @dataclass(frozen=True)
 class Recorded:
     method: str

@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +14,7 @@ import aiohttp
 import pytest
 
 import kopf_reconcile as kr
+from kopf_reconcile import testing
 from kopf_reconcile.cache import ObjectCache
 from kopf_reconcile.testing.real_apiserver import RealClusterError
 
@@ -31,16 +31,7 @@ async def eventually(
     message: str = "",
 ) -> None:
     """Poll ``condition`` until it holds; fail with ``message`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {message or condition}")
-        await asyncio.sleep(interval)
+    await testing.eventually(condition, timeout, interval, message)
 
 
 def fenced_loop(

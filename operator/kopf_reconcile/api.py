@@ -125,6 +125,7 @@ def as_reconcile_fn(reconciler: object) -> tuple[str, ReconcileFn]:
             f"reconciler must be callable or have a reconcile() method, got {reconciler!r}"
         )
     name = _name_of(reconciler)
+    _check_takes_a_request(name, target)
     if _is_async(target):
         return name, target
     sync_target = target
@@ -143,6 +144,27 @@ def as_reconcile_fn(reconciler: object) -> tuple[str, ReconcileFn]:
             raise
 
     return name, in_thread
+
+
+def _check_takes_a_request(name: str, target: Callable[..., object]) -> None:
+    """Refuse, when it is defined, a reconciler that cannot be called with one Request.
+
+    A kopf handler's signature (``spec, name, **kwargs``) would otherwise fail on every
+    call, retried with backoff forever, instead of once where it is written.
+    """
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # a builtin or extension without a signature: let the call tell
+    try:
+        signature.bind(Request(RESYNC_ALL))
+    except TypeError as exc:
+        raise ConfigError(
+            f"reconciler {name!r} must accept one argument, the kr.Request, and no other "
+            f"required one: its signature is {name}{signature} ({exc}). kopf's keyword "
+            "arguments (spec, name, body, ...) are not passed to a reconciler: read the object "
+            "with kr.cached(req) (req.entity_id is <namespace>/<name>)"
+        ) from None
 
 
 def _is_async(fn: Callable[..., object]) -> bool:

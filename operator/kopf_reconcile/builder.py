@@ -52,7 +52,9 @@ class Builder:
         return self
 
     def with_backoff(self, base: Duration, maximum: Duration) -> Self:
-        """Per-entity retry delay ``base·2ⁿ`` capped at ``maximum``. Default 5 ms, 1000 s."""
+        """Per-entity retry delay: after the n-th failure in a row, drawn uniformly from
+        ``[0, min(maximum, base·2ⁿ⁻¹)]`` (full jitter: ``base`` is no minimum). Default 5 ms,
+        1000 s."""
         self._config.backoff_base = seconds("backoff base", base)
         self._config.backoff_max = seconds("backoff max", maximum)
         return self
@@ -88,12 +90,13 @@ class Builder:
         return self
 
     def with_name(self, name: str) -> Self:
-        """Controller name in metrics and logs. Default: the reconciler's name."""
+        """Controller name in logs. Default: the reconciler's name."""
         self._config.name = validate_name(name)
         return self
 
     def with_reconciler_id(self, reconciler_id: str) -> Self:
-        """Lease name and fencing scope (RFC 1123 subdomain). Default: derived from the name."""
+        """Lease name, fencing scope and metrics' ``controller`` label (RFC 1123 subdomain).
+        Default: derived from the name."""
         self._config.reconciler_id = reconciler_id
         return self
 

@@ -83,12 +83,12 @@ class LoopConfig:
     #: reconciler id is ``<id>-shard-<k>``, a suffix no other reconciler may take.
     shard_of: str | None = None
     #: Set with ``shard_of``: the ``controller`` and ``shard`` labels of that Loop's
-    #: metrics (the sharded reconciler's name, the shard's number); None: the Loop's
-    #: own name and ``shard=""``.
+    #: metrics (the sharded reconciler's id, the shard's number); None: the Loop's
+    #: own reconciler id and ``shard=""``.
     metric_labels: tuple[str, str] | None = None
 
     def names(self) -> tuple[str, str]:
-        """The controller name (metrics, logs) and the reconciler id (lease, fencing scope)."""
+        """The controller name (logs) and the reconciler id (lease, fencing scope, metrics)."""
         name, _ = as_reconcile_fn(self.reconciler)
         if self.name is not None:
             name = self.name
@@ -168,7 +168,7 @@ def default_reconciler_id(name: str) -> str:
 
 
 def validate_name(value: object) -> str:
-    """A controller name (metrics and logs): any non-empty string."""
+    """A controller name (logs): any non-empty string."""
     if not isinstance(value, str) or not value:
         raise ConfigError(f"name must be a non-empty string, got {value!r}")
     return value

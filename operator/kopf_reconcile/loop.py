@@ -168,12 +168,12 @@ class Loop:
 
     @property
     def name(self) -> str:
-        """The controller name (metrics label, logs)."""
+        """The controller name (logs)."""
         return self._name
 
     @property
     def reconciler_id(self) -> str:
-        """The lease name and fencing scope."""
+        """The lease name, fencing scope and metrics' ``controller`` label."""
         return self._reconciler_id
 
     def stats(self) -> LoopStats:
@@ -207,7 +207,7 @@ class Loop:
         )
         self._added = asyncio.get_running_loop().create_future()
         self._added.set_result(None)
-        controller, shard = cfg.metric_labels or (self._name, "")
+        controller, shard = cfg.metric_labels or (self._reconciler_id, "")
         self._metrics = BoundMetrics(
             cfg.metrics,
             controller,

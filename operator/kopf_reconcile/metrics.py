@@ -2,15 +2,16 @@
 
 Names carry the prefix ``kopf_reconcile_``; label names follow
 controller-runtime and client-go (``controller``, ``result``, ``name``) so
-their dashboards carry over. :func:`register_metrics` creates every
-instrument on a registry; a Loop given the resulting :class:`Metrics`
-pre-binds its label set at start and initialises every series to 0. Set a
-field to ``None`` to disable that instrument.
+their dashboards carry over. ``controller`` (``name`` on the work queue's series) is the
+reconciler id: unique in an operator, where two reconcilers may share a function name.
+:func:`register_metrics` creates every instrument on a registry; a Loop given the
+resulting :class:`Metrics` pre-binds its label set at start and initialises every
+series to 0. Set a field to ``None`` to disable that instrument.
 
 The ``shard`` label. A sharded reconciler (``shards=N``) runs one Loop per shard,
 each under a lease and an epoch of its own, so its state is per shard: every
 counter and gauge carries ``shard`` (``"0"`` .. ``"N-1"``) next to ``controller``
-(or ``name``), which stays the reconciler's name. An unsharded reconciler's series
+(or ``name``), which stays the reconciler's id. An unsharded reconciler's series
 carry ``shard=""``, which Prometheus stores as no label at all: its queries and
 its series read as if the label did not exist. Histograms carry no ``shard``
 (N times their buckets would buy little): the shards a replica leads observe into

@@ -131,7 +131,7 @@ class ShardedLoop(Loop):
                 name=f"{self.name}-shard-{k}",
                 reconciler_id=shard_id(self.reconciler_id, k),
                 shard_of=self.reconciler_id,
-                metric_labels=(self.name, str(k)),
+                metric_labels=(self.reconciler_id, str(k)),
                 fenced_repo=None if repo is None else _ShardFence(self, repo, k),
             )
             sub.validate()

@@ -36,7 +36,7 @@ BIN = Path(sys.executable).parent
 # The example's reconciler id (the default: resource, then function), hence its lease and
 # fence scope.
 RECONCILER_ID = "devices.example.com-reconcile-device"
-CONTROLLER = "reconcile_device"  # ... and its controller name in metrics
+CONTROLLER = RECONCILER_ID  # ... and its metrics' controller label
 MERGE = {"Content-Type": "application/merge-patch+json"}
 HTTP_OK, HTTP_NOT_FOUND = 200, 404
 # What a process must not inherit: it would choose the leader elector or the pod identity.

@@ -53,6 +53,9 @@ def test_demo_runs_the_story_and_every_invariant_holds() -> None:
     assert "$ kopf-reconcile dead-letters" in output and "$ kopf-reconcile status" in output
     workdir = re.search(r"workdir (\S+?)\)", output)
     assert workdir and not Path(workdir.group(1)).exists()
+    # Its progress lines (not a terminal) say each figure's name, as the README explains them.
+    progress = r"replica-\d (LEADER|follower|-) epoch=\d+ reconciled=\d+ accepted=\d+ stale=\d+"
+    assert re.search(progress, output), output
 
 
 def test_sharded_demo_moves_only_the_killed_replicas_shards() -> None:

@@ -134,7 +134,7 @@ async def test_two_reconcilers_side_by_side_each_with_its_own_lease(
         await eventually(lambda: team_a.last("default/ignored") is None, timeout=10)
 
         def reconciles(result: str) -> float | None:
-            labels = {"controller": "reconcile_team_a", "shard": "", "result": result}
+            labels = {"controller": TEAM_A, "shard": "", "result": result}
             return prometheus.get_sample_value("kopf_reconcile_reconcile_total", labels)
 
         assert (reconciles("success") or 0) >= 3

@@ -32,6 +32,19 @@ async def long_stop_timeout() -> AsyncIterator[None]:
     process_settings.install(None)
 
 
+async def operator_with_a_held_configmap(
+    cluster_url: str, registry: kopf.OperatorRegistry, stop: asyncio.Event
+) -> asyncio.Task[None]:
+    """The ConfigMap ``default/held`` created, then the operator of ``registry`` started."""
+    async with aiohttp.ClientSession(base_url=cluster_url) as http:
+        body = {"metadata": {"name": "held"}}
+        async with http.post("/api/v1/namespaces/default/configmaps", json=body) as response:
+            assert response.status == 201, await response.text()
+    return asyncio.create_task(
+        kopf.operator(registry=registry, namespaces=["default"], stop_flag=stop)
+    )
+
+
 async def test_cleanup_stops_every_loop_at_once(cluster_url: str, long_stop_timeout: None) -> None:
     registry = kopf.OperatorRegistry()
     leases = MemoryLeaseStore()
@@ -63,15 +76,8 @@ async def test_cleanup_stops_every_loop_at_once(cluster_url: str, long_stop_time
 
     holds("drain-first")
     holds("drain-second")
-    async with aiohttp.ClientSession(base_url=cluster_url) as http:
-        body = {"metadata": {"name": "held"}}
-        async with http.post("/api/v1/namespaces/default/configmaps", json=body) as response:
-            assert response.status == 201, await response.text()
-
     stop = asyncio.Event()
-    operator = asyncio.create_task(
-        kopf.operator(registry=registry, namespaces=["default"], stop_flag=stop)
-    )
+    operator = await operator_with_a_held_configmap(cluster_url, registry, stop)
     try:
         await eventually(lambda: holding == {"drain-first", "drain-second"}, timeout=20)
         stop.set()
@@ -87,3 +93,54 @@ async def test_cleanup_stops_every_loop_at_once(cluster_url: str, long_stop_time
         await asyncio.wait_for(operator, 30)
     assert leases.holder("drain-first") is None
     assert leases.holder("drain-second") is None
+
+
+async def test_a_users_cleanup_runs_once_every_loop_has_stopped(
+    cluster_url: str, long_stop_timeout: None
+) -> None:
+    """Written above the reconciler, a cleanup that closes what reconciles use still runs
+    after the Loop stopped: no reconcile in flight, the lease released."""
+    registry = kopf.OperatorRegistry()
+    leases = MemoryLeaseStore()
+    reconciling = asyncio.Event()
+    release = asyncio.Event()
+    seen_by_cleanup: list[tuple[object, str | None]] = []
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=cluster_url)
+
+    @kopf.on.cleanup(registry=registry)
+    async def close_the_pool(**_: Any) -> None:
+        running = kopf_shim.status(registry)["pool-user"]["running"]
+        seen_by_cleanup.append((running, leases.holder("pool-user")))
+
+    @kr.reconciler(
+        "", "v1", "configmaps",
+        tenancy=kr.Tenancy.TENANT_SCOPED,
+        reconciler_id="pool-user",
+        leader=lambda: MemoryLeaseElector(leases),
+        fenced=None,
+        metrics=None,
+        registry=registry,
+    )  # fmt: skip
+    async def reconcile_with_the_pool(req: kr.Request) -> None:
+        if req.entity_id == "default/held":
+            reconciling.set()
+            await release.wait()
+
+    stop = asyncio.Event()
+    operator = await operator_with_a_held_configmap(cluster_url, registry, stop)
+    try:
+        await asyncio.wait_for(reconciling.wait(), 20)
+        stop.set()
+        await eventually(
+            lambda: not kopf_shim.status(registry)["pool-user"]["running"],
+            timeout=10,
+            message="the Loop stopping",
+        )
+        assert seen_by_cleanup == []  # the reconcile still drains: the user's cleanup waits
+    finally:
+        release.set()
+        await asyncio.wait_for(operator, 30)
+    assert seen_by_cleanup == [(False, None)]

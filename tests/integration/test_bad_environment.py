@@ -79,7 +79,7 @@ async def test_leases_forbidden_by_rbac_are_an_error_each_attempt_counted_as_per
     loop = loop_of(noop, elector, MemoryFencedRepository(), registry)
 
     def permanent() -> float:
-        labels = {"controller": loop.name, "shard": ""}
+        labels = {"controller": loop.reconciler_id, "shard": ""}
         return registry.get_sample_value("kopf_reconcile_lease_permanent_errors_total", labels) or 0
 
     caplog.set_level(logging.WARNING, logger="kopf_reconcile.leader")
@@ -398,7 +398,7 @@ async def test_a_fence_row_at_the_bigint_bound_stops_leadership_with_a_repair_me
         loop = loop_of(noop, elector, repo, registry)
 
         def permanent() -> float:
-            labels = {"controller": loop.name, "shard": ""}
+            labels = {"controller": loop.reconciler_id, "shard": ""}
             sample = "kopf_reconcile_lease_permanent_errors_total"
             return registry.get_sample_value(sample, labels) or 0
 

@@ -2,7 +2,7 @@
 
 Rendering tests hold the chart to what a platform team expects (a strict values
 schema, the Restricted pod security standard, replicas spread across nodes, a
-grace period that outlasts the stop timeout, CRDs identical to ``crds/``). On
+grace period that outlasts the stop timeout, the default CRD identical to ``crds/``). On
 the real kube-apiserver tier the chart is installed with Helm 4's defaults
 (server-side apply), and the operator of the image ``make image`` builds runs
 as the chart's ServiceAccount, as uid 10001 in the image's root file system,
@@ -127,10 +127,12 @@ def test_values_schema_rejects_unknown_keys_and_bad_values(setting: str, complai
 
 
 def test_chart_crds_are_identical_to_the_crds_directory() -> None:
-    chart_crds = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    """The example's CRD, the chart's default (crds.manifests empty), is the one of crds/."""
+    chart_crds = {p.name: p.read_bytes() for p in (CHART / "files").glob("*.yaml")}
     crds = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
     assert crds, "crds/ holds the project's CRDs"
-    assert chart_crds == crds, "charts/kopf-reconcile/crds/ must be a copy of crds/"
+    assert chart_crds == crds, "charts/kopf-reconcile/files/ must hold a copy of crds/"
+    assert not (CHART / "crds").exists(), "Helm's crds/ would install the example's CRD always"
 
 
 def test_deployment_wires_identity_database_probes_and_stop_timeout() -> None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +86,30 @@ async def test_an_unreadable_url_file_is_a_configuration_error(tmp_path: Path) -
     status, _, err = await command("leases", f"--database-url-file={tmp_path / 'absent'}")
     assert status == 2
     assert err.startswith("kopf-reconcile: configuration error: --database-url-file ")
+
+
+async def without_a_reader(*args: str) -> tuple[int, str]:
+    """``kopf-reconcile ARGS`` writing into a pipe whose reader has already gone (as ``| head
+    -1`` leaves it): exit status and stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = await asyncio.create_subprocess_exec(
+            str(BIN / "kopf-reconcile"),
+            *args,
+            stdout=write_end,
+            stderr=asyncio.subprocess.PIPE,
+            env={k: v for k, v in os.environ.items() if not k.startswith("KOPF_RECONCILE_")},
+        )
+    finally:
+        os.close(write_end)
+    _, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return process.returncode, err.decode()
+
+
+async def test_a_reader_that_leaves_early_gets_no_traceback(embedded_cluster: Any) -> None:
+    code, err = await without_a_reader(
+        "leases", f"--kubeconfig={embedded_cluster.kubeconfig}", "-n", "default"
+    )
+    assert (code, err) == (141, "")  # 128 + SIGPIPE, as a process the signal ends

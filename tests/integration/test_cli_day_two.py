@@ -123,3 +123,30 @@ async def test_the_commands_need_a_database_and_an_entity_or_all(tmp_path: Path)
     assert code == 2 and "KOPF_RECONCILE_DATABASE_URL" in err
     code, _, err = await kubectl("redrive", dsn="postgresql://127.0.0.1:1/x")
     assert code == 2 and "ENTITY" in err
+
+
+async def test_status_drops_the_record_of_a_lease_store_left_behind(
+    kube: Any, kube_namespace: str, dsn: str
+) -> None:
+    """Switched from PostgreSQL leases to Kubernetes Leases: the released row stays in the
+    database, and status shows the reconciler once, as its Lease has it."""
+    rows = kr.PostgresLeaseElector(dsn, holder_id="replica-before")
+    leases = kr.KubernetesLeaseElector(
+        namespace=kube_namespace, kubeconfig=kube.kubeconfig, holder_id="replica-after"
+    )
+    try:
+        await rows.release_lease(await rows.acquire_lease(RID))
+        status = ("status", f"--kubeconfig={kube.kubeconfig}", "-n", kube_namespace)
+        code, out, err = await kubectl(*status, dsn=dsn)
+        assert code == 0, err
+        assert row_of(out, "(postgresql)", RID)  # the only record: still shown
+        token = await leases.acquire_lease(RID)
+        code, out, err = await kubectl(*status, dsn=dsn)
+        assert code == 0, err
+        assert [line for line in out.splitlines()[1:] if RID in line] == [
+            row_of(out, kube_namespace, RID, "replica-after")
+        ], out
+        assert str(token.epoch) in row_of(out, RID).split()
+    finally:
+        await rows.close()
+        await leases.close()

@@ -42,7 +42,7 @@ async def test_a_missing_namespace_is_logged_with_its_status_and_counted_as_perm
     )
 
     def permanent_errors() -> float:
-        labels = {"controller": loop.name, "shard": ""}
+        labels = {"controller": loop.reconciler_id, "shard": ""}
         value = registry.get_sample_value("kopf_reconcile_lease_permanent_errors_total", labels)
         return value or 0
 
@@ -56,7 +56,7 @@ async def test_a_missing_namespace_is_logged_with_its_status_and_counted_as_perm
     assert all(expected in line for line in lines), lines
     assert all("retrying cannot help" in line for line in lines), lines
     errors = registry.get_sample_value(
-        "kopf_reconcile_lease_errors_total", {"controller": loop.name, "shard": ""}
+        "kopf_reconcile_lease_errors_total", {"controller": loop.reconciler_id, "shard": ""}
     )
     assert errors is not None and errors >= permanent_errors()
 

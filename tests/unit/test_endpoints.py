@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter
 
@@ -31,5 +33,25 @@ async def test_endpoints() -> None:
             async with http.get("/metrics") as response:
                 assert response.status == 200
                 assert "kopf_reconcile_probe_total 3.0" in await response.text()
+    finally:
+        await endpoints.stop()
+
+
+async def test_a_connection_is_closed_after_its_response() -> None:
+    """No keep-alive: at shutdown kopf cancels and awaits every task of the process, and the
+    task of a scraper's idle keep-alive connection held the operator's exit up (by seconds,
+    past a short grace period)."""
+    endpoints = Endpoints("127.0.0.1", 0, ready=lambda: True, report=dict)
+    await endpoints.start()
+    host, port = endpoints.url.removeprefix("http://").split(":")
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            # HTTP/1.1 keeps a connection by default: only the server's choice ends it.
+            writer.write(b"GET /readyz HTTP/1.1\r\nHost: probe\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), timeout=30)  # until the server closes
+        finally:
+            writer.close()
+        assert answer.startswith(b"HTTP/1.1 200")
     finally:
         await endpoints.stop()

@@ -134,9 +134,13 @@ async def test_a_none_field_disables_that_instrument() -> None:
 async def test_a_follower_exports_its_backlog_apart_from_the_work_queue() -> None:
     from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 
-    registry = prometheus_client.CollectorRegistry()
-    metrics = kr.register_metrics(registry)
+    # Two replicas in one process: each exports on a registry of its own, as processes do.
+    registries = {
+        "a": prometheus_client.CollectorRegistry(),
+        "b": prometheus_client.CollectorRegistry(),
+    }
     store = MemoryLeaseStore()
+    rid = "devices"
     requests: dict[str, asyncio.Queue[kr.Request]] = {"a": asyncio.Queue(), "b": asyncio.Queue()}
     release = asyncio.Event()
 
@@ -148,10 +152,9 @@ async def test_a_follower_exports_its_backlog_apart_from_the_work_queue() -> Non
             kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
             .with_trigger(kr.ChannelTrigger(requests[name]))
             .with_leader(MemoryLeaseElector(store, kr.LeaseTTL(1)))
-            .with_reconciler_id("devices")
+            .with_reconciler_id(rid)
             .with_renew_interval(0.1)
-            .with_metrics(metrics)
-            .with_name(name)
+            .with_metrics(kr.register_metrics(registries[name]))
             .build()
         )
 
@@ -164,11 +167,11 @@ async def test_a_follower_exports_its_backlog_apart_from_the_work_queue() -> Non
                     await requests["a"].put(kr.Request(f"e{i}"))
                     await requests["b"].put(kr.Request(f"e{i}"))
                 # The leader works one entity at a time: the others wait in its queue.
-                await eventually(lambda: sample(registry, "workqueue_depth", name="a") == 5)
-                await eventually(lambda: sample(registry, "follower_backlog", name="b") == 5)
+                await eventually(lambda: sample(registries["a"], "workqueue_depth", name=rid) == 5)
+                await eventually(lambda: sample(registries["b"], "follower_backlog", name=rid) == 5)
                 assert not follower.stats().is_leader
-                assert sample(registry, "workqueue_depth", name="b") == 0
-                assert sample(registry, "follower_backlog", name="a") == 0
+                assert sample(registries["b"], "workqueue_depth", name=rid) == 0
+                assert sample(registries["a"], "follower_backlog", name=rid) == 0
             finally:
                 release.set()
 
@@ -219,3 +222,42 @@ async def test_a_sharded_reconcilers_series_carry_its_name_and_a_shard_label() -
     # No series under a shard's Loop name, nor an unsharded one.
     assert sample(registry, "leader", controller="devices-shard-0", shard="0") is None
     assert sample(registry, "leader", controller="devices") is None
+
+
+async def test_two_reconcilers_of_one_name_have_series_of_their_own() -> None:
+    """``controller`` is the reconciler id: two functions both called ``reconcile`` (with
+    distinct ids, as two reconcilers of one operator must have) never share a series."""
+    registry = prometheus_client.CollectorRegistry()
+    metrics = kr.register_metrics(registry)
+
+    async def reconcile(req: kr.Request) -> None:
+        return None
+
+    def loop_of(reconciler_id: str) -> kr.Loop:
+        return (
+            kr.Builder(reconcile, kr.Tenancy.SINGLE_TENANT)
+            .with_trigger(kr.ChannelTrigger(asyncio.Queue()))
+            .with_metrics(metrics)
+            .with_reconciler_id(reconciler_id)
+            .build()
+        )
+
+    websites, databases = loop_of("websites-operator"), loop_of("databases-operator")
+    async with websites, databases:
+        await websites.enqueue(kr.Request("a"))
+        await eventually(
+            lambda: (
+                sample(
+                    registry, "reconcile_total", controller="websites-operator", result="success"
+                )
+                == 1
+            )
+        )
+        await eventually(lambda: websites.stats().in_flight == 0)
+        assert (
+            sample(registry, "reconcile_total", controller="databases-operator", result="success")
+            == 0
+        )
+        assert sample(registry, "workqueue_adds_total", name="websites-operator") == 1
+        assert sample(registry, "workqueue_adds_total", name="databases-operator") == 0
+    assert sample(registry, "reconcile_total", controller="reconcile", result="success") is None

@@ -1,9 +1,31 @@
+{{/* The app's name (the app.kubernetes.io/name label): nameOverride, else the chart's. */}}
+{{- define "kopf-reconcile.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The objects' base name: fullnameOverride; else the release's name, followed by
+nameOverride when one is given and the release's name does not hold it already. */}}
 {{- define "kopf-reconcile.fullname" -}}
-{{- printf "%s" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if and .Values.nameOverride (not (contains .Values.nameOverride .Release.Name)) -}}
+{{- printf "%s-%s" .Release.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator's ServiceAccount: made by the chart (serviceAccount.create) or given. */}}
+{{- define "kopf-reconcile.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kopf-reconcile.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required with serviceAccount.create=false: the ServiceAccount the operator runs as" .Values.serviceAccount.name -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kopf-reconcile.labels" -}}
-app.kubernetes.io/name: kopf-reconcile
+app.kubernetes.io/name: {{ include "kopf-reconcile.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
@@ -11,7 +33,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{- define "kopf-reconcile.selector" -}}
-app.kubernetes.io/name: kopf-reconcile
+app.kubernetes.io/name: {{ include "kopf-reconcile.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 

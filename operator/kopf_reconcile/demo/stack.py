@@ -14,7 +14,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from typing import Self
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kopf_reconcile.testing.operator_process import free_port
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
 STARTUP_TIMEOUT = 30.0
@@ -65,20 +65,15 @@ class Replica:
         return self.process.pid
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Stack:
     """Starts and owns every process of the demo."""
 
-    def __init__(self, *, keep: bool, reconciler: str) -> None:
+    def __init__(
+        self, *, keep: bool, reconciler: str, prefix: str = "kopf-reconcile-demo-"
+    ) -> None:
         self.keep = keep
-        self.reconciler = reconciler  # the controller label in the replicas' metrics
-        self.workdir = Path(tempfile.mkdtemp(prefix="kopf-reconcile-demo-"))
+        self.reconciler = reconciler  # its id: the controller label in the replicas' metrics
+        self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
         self.kubeconfig = self.workdir / "kubeconfig"
         self.replicas: list[Replica] = []
         self.cluster_url = ""
@@ -128,7 +123,11 @@ class Stack:
         await self._postgres.__aenter__()
         return self._postgres.dsn
 
-    async def start_replica(self, handlers: Path, env: dict[str, str]) -> Replica:
+    async def start_replica(
+        self, handlers: Path, env: dict[str, str], *, on_terminal: bool = False
+    ) -> Replica:
+        """A replica logging JSON into the work directory, or (``on_terminal``) text to this
+        process's output."""
         index = len(self.replicas)
         name = f"replica-{index}"
         port = free_port()
@@ -136,10 +135,10 @@ class Stack:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kopf_reconcile", "run", str(handlers),
             "--namespace=default", "--standalone",
-            "--metrics-port", str(port), "--log-format", "json",
+            "--metrics-port", str(port), "--log-format", "text" if on_terminal else "json",
             env={**os.environ, **env, "POD_NAME": name, "KUBECONFIG": str(self.kubeconfig)},
-            stdout=log.open("wb"),
-            stderr=asyncio.subprocess.STDOUT,
+            stdout=None if on_terminal else log.open("wb"),
+            stderr=None if on_terminal else asyncio.subprocess.STDOUT,
         )  # fmt: skip
         replica = Replica(name=name, port=port, process=process, log=log)
         self.replicas.append(replica)
@@ -215,6 +214,13 @@ class Stack:
     def resume(self, replica: Replica) -> None:
         replica.process.send_signal(signal.SIGCONT)
         replica.state = "running"
+
+    async def stop(self, replica: Replica) -> None:
+        """SIGTERM, then SIGKILL after a grace period."""
+        with contextlib.suppress(ProcessLookupError):
+            replica.process.send_signal(signal.SIGTERM)
+        await _reap(replica.process)
+        replica.state = "stopped"
 
     def alive(self) -> list[Replica]:
         return [r for r in self.replicas if r.process.returncode is None]

@@ -55,8 +55,8 @@ from kopf_reconcile.testing.examples import find_crd, find_handlers
 
 GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
 NAMESPACE = "default"
-CONTROLLER = "reconcile_device"  # the reconciler's name: the metrics' controller label
-SCOPE = "devices.example.com-reconcile-device"  # its reconciler id: lease name, fence scope
+# The example's reconciler id: its lease name, fence scope and the metrics' controller label.
+SCOPE = "devices.example.com-reconcile-device"
 STATES = ("on", "off", "standby")
 MALFORMED = "device-malformed"  # spec.desired outside STATES: dead-lettered
 CONVERGE_TIMEOUT = 90.0
@@ -133,7 +133,7 @@ class Demo:
         self.rng = random.Random(options.seed)
         self.desired: dict[str, str] = {}
         self.summary = Summary(objects=options.objects)
-        self.stack = Stack(keep=options.keep, reconciler=CONTROLLER)
+        self.stack = Stack(keep=options.keep, reconciler=SCOPE)
         self._api: client.ApiClient | None = None
         self._db: asyncpg.Pool | None = None
 

@@ -78,8 +78,8 @@ class View:
             self._drawn = len(lines)
             return
         compact = " | ".join(
-            f"{r.name} {row[3]} e{row[4]} rec={row[5]} acc={row[6]} stale={row[7]}"
-            + (f" shards={row[8]}" if self.sharded else "")
+            f"{r.name} {row[3]} epoch={row[4]} reconciled={row[5]} accepted={row[6]} "
+            f"stale={row[7]}" + (f" shards={row[8]}" if self.sharded else "")
             for r, row in zip(replicas, replica_rows(replicas, self.sharded), strict=True)
         )
         text = f"{status} | {compact}"

@@ -34,6 +34,11 @@ reporting failures on one line.)
   entity's rows move to its new shard scope, and the new layout is recorded
   (``PostgresFencedRepository.reshard``).
 
+* ``kopf-reconcile init NAME`` writes a new operator project into an empty folder
+  (:mod:`kopf_reconcile.commands.init`).
+* ``kopf-reconcile dev [HANDLERS]`` starts an embedded Kubernetes API and PostgreSQL for your
+  own work and runs the handlers on them (:mod:`kopf_reconcile.commands.dev`).
+
 As ``kubectl-reconcile`` the same commands are a kubectl plugin: ``kubectl reconcile status``.
 
 The database URL of ``migrate``, ``leases`` and the others comes from
@@ -67,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from kopf_reconcile.api import ConfigError
+from kopf_reconcile.commands import dev, init
 from kopf_reconcile.database import redact_dsn
 from kopf_reconcile.integration import logs, shard_leases
 from kopf_reconcile.integration import settings as process_settings
@@ -83,6 +89,7 @@ logger = logging.getLogger("kopf_reconcile.cli")
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # a configuration error, as argparse's usage errors
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # the reader left (`| head -1`): as SIGPIPE ends kubectl
 NAMESPACE_CHECK_TIMEOUT = 10.0  # an API server that does not answer is not a config error
 DATABASE_CHECK_TIMEOUT = 10.0  # nor is a database that does not answer
 # kopf's own signal handling SIGKILLs a shutdown that hangs this long (its
@@ -92,6 +99,20 @@ ULTIMATE_EXIT_TIMEOUT = 600.0
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run the subcommand; returns the exit status."""
+    try:
+        try:
+            return _command(argv)
+        finally:  # a reader that left is found here, not in the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Nobody reads the rest: say nothing more, and keep the interpreter's last flush of
+        # stdout from failing again with a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _command(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         result: int = args.command(args)
@@ -260,6 +281,10 @@ def _parser() -> argparse.ArgumentParser:
         "--keep", action="store_true", help="keep the temporary directory (logs, kubeconfig)"
     )
     demo.set_defaults(command=_demo)
+
+    # Commands in modules of their own (kopf_reconcile.commands.<command>).
+    init.add_parser(commands)
+    dev.add_parser(commands)
     return parser
 
 
@@ -791,7 +816,7 @@ async def _show_status(args: argparse.Namespace, config: Settings) -> int:
     queues = await _leader_queues(args.endpoints)
     now = datetime.datetime.now(datetime.UTC)
     rows = []
-    for record in records:
+    for record in _without_left_stores(records, now):
         rid = record.reconciler_id
         if changes is not None:
             failovers = str(changes.get(rid, 0))
@@ -820,6 +845,27 @@ async def _show_status(args: argparse.Namespace, config: Settings) -> int:
     for line in format_table(_STATUS_COLUMNS, [tuple(map(escape_terminal, r)) for r in rows]):
         print(line)
     return status
+
+
+def _without_left_stores(
+    records: Sequence[LeaseRecord], now: datetime.datetime
+) -> list[LeaseRecord]:
+    """The records, less those a reconciler left behind in a lease store it no longer uses.
+
+    After a switch of KOPF_RECONCILE_LEADER (PostgreSQL rows to Kubernetes Leases, or back)
+    the old store keeps a released or expired record: shown, it would be a second, stale
+    row of a reconciler that is held in the other store.
+    """
+
+    def store(record: LeaseRecord) -> str:
+        return "postgresql" if record.namespace is None else "kubernetes"
+
+    held = {(r.reconciler_id, store(r)) for r in records if r.held_at(now)}
+    return [
+        r
+        for r in records
+        if r.held_at(now) or not any(rid == r.reconciler_id and s != store(r) for rid, s in held)
+    ]
 
 
 async def _postgres_lease_records(url: str) -> list[LeaseRecord]:

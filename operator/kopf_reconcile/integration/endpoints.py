@@ -60,7 +60,9 @@ class Endpoints:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # No keep-alive: at shutdown kopf cancels and awaits every task of the process, and
+        # the task of a scraper's idle keep-alive connection held the exit up until SIGKILL.
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=0)
         await runner.setup()
         try:
             await web.TCPSite(runner, self._host, self._port).start()

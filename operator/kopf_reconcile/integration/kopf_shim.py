@@ -25,7 +25,10 @@ The decorator registers four handlers on kopf's registry for one reconciler:
   and releasing the lease so a peer takes over at once) and closes what the
   startup handler created. kopf runs cleanup handlers one after another, so
   the first one of a registry begins the stop of every Loop in it at once:
-  the operator stops within one stop timeout, not one per reconciler;
+  the operator stops within one stop timeout, not one per reconciler. The
+  shim's cleanup handlers run before every other one of the registry, wherever
+  those are written: a user's ``@kopf.on.cleanup`` (closing a pool the
+  reconciler uses) runs once every Loop has stopped and released its lease;
 * a **probe** (kopf's liveness endpoint) reporting leadership, epoch and queue.
 
 Events. The leader's Loop records Kubernetes Events on the objects (a failed
@@ -279,6 +282,7 @@ class _Registration:
         reg = self.registry
         kopf.on.startup(id=f"{prefix}/startup", errors=permanent, registry=reg)(self.startup)
         kopf.on.cleanup(id=f"{prefix}/cleanup", registry=reg)(self.cleanup)
+        _first_among_cleanups(reg, f"{prefix}/cleanup")
         # A probe that raises would make kopf's liveness endpoint hang: never retry it.
         kopf.on.probe(id=prefix, errors=permanent, registry=reg)(self.probe)
         watched: list[tuple[str, str, str, str, Callable[..., Any]]] = [
@@ -559,6 +563,23 @@ class _Registration:
                 logger.warning("closing %r failed: %r", adapter, exc)
 
 
+def _first_among_cleanups(registry: Any, handler_id: str) -> None:
+    """Run this cleanup handler before every other one of the registry, wherever they are.
+
+    kopf runs cleanup handlers one after another, in the order they were registered. A
+    user's ``@kopf.on.cleanup`` written above the reconciler (closing a pool or a client the
+    reconciler uses) would otherwise run while its Loop still reconciles and holds the lease.
+    """
+    handlers = getattr(getattr(registry, "_activities", None), "_handlers", None)
+    if not isinstance(handlers, list):  # pragma: no cover - another kopf layout
+        logger.warning(
+            "this kopf version's registry cannot be ordered: cleanup handlers registered "
+            "before a reconciler run before its Loop stops"
+        )
+        return
+    handlers.sort(key=lambda handler: getattr(handler, "id", None) != handler_id)  # stable
+
+
 _ADAPTER_METHODS = {
     "leader": ("acquire_lease", "renew_lease", "release_lease"),
     "fenced": ("apply_fenced",),
@@ -626,7 +647,8 @@ def reconciler(
     * ``interval``: every this long, every live object is reconciled again (default
       10 h, controller-runtime's SyncPeriod); ``Result(requeue_after=...)`` asks for one
       object sooner.
-    * ``backoff``: ``(base, max)`` of the per-object retry delay (default 5 ms, 1000 s).
+    * ``backoff``: ``(base, max)`` of the per-object retry delay, drawn from
+      ``[0, min(max, base·2ⁿ⁻¹)]`` after the n-th failure in a row (default 5 ms, 1000 s).
     * ``leader``, ``fenced``: a ``LeaderElector`` / ``FencedRepository``, a factory
       (sync or async, called at startup inside kopf's event loop) returning one, or
       None (single-process mode / no fencing). By default both come from the
@@ -638,8 +660,8 @@ def reconciler(
       and ``DeadLettered``, Normal ``Reconciled`` after a failure, and the
       reconciler's own through ``kr.event``), posted by the leader in the background,
       aggregated and rate-limited (default True; see :mod:`kopf_reconcile.events`).
-    * ``name``: controller name in metrics and logs (default: the function's name);
-      ``reconciler_id``: lease name and fencing scope (default:
+    * ``name``: controller name in logs (default: the function's name);
+      ``reconciler_id``: lease name, fencing scope and metrics' ``controller`` (default:
       ``<plural>.<group>-<name>``, see :mod:`kopf_reconcile.integration.naming`; required with a
       leader when the name says only that it reconciles, such as ``reconcile``).
     * ``renew_interval``: lease renewal period (default: ``KOPF_RECONCILE_RENEW_INTERVAL``).

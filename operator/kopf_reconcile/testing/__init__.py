@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
+    from kopf_reconcile.testing.operator_process import OperatorProcess, eventually
     from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
-__all__ = ["EmbeddedCluster", "EmbeddedPostgres"]
+__all__ = ["EmbeddedCluster", "EmbeddedPostgres", "OperatorProcess", "eventually"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
         return EmbeddedPostgres
+    if name in ("OperatorProcess", "eventually"):
+        from kopf_reconcile.testing import operator_process
+
+        return getattr(operator_process, name)
     raise AttributeError(name)
