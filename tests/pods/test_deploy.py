@@ -33,14 +33,13 @@ import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 import pytest_asyncio
 import yaml
 from node import APISERVER_PORT, NODE_IP, PodNode
+from release import audited_database, built_image, pods_dsn
 
 from chart_support import (
     BIN,
@@ -48,10 +47,7 @@ from chart_support import (
     Attributes,
     api,
     assert_every_verb_is_needed,
-    image_archive,
-    image_problem,
 )
-from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.testing import audit
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 from support import eventually
@@ -118,8 +114,7 @@ class Deployment:
     @property
     def pods_dsn(self) -> str:
         """The database as the pods reach it: the node's address, forwarded to the server."""
-        parts = urlsplit(self.dsn)
-        return f"postgresql://{parts.username or 'postgres'}@{NODE_IP}:{DATABASE_PORT}{parts.path}"
+        return pods_dsn(self.dsn, DATABASE_PORT)
 
     async def kubectl(self, *args: str, stdin: str | None = None) -> str:
         argv = [str(BIN / "kubectl"), f"--kubeconfig={self.node.kubeconfig}", *args]
@@ -150,29 +145,14 @@ def pod_of(holder: str) -> str:
     return holder.rsplit("-", 1)[0]
 
 
-def postgres_socket(dsn: str) -> str:
-    """The Unix socket of the session's PostgreSQL (its DSN names the socket directory)."""
-    directory = Path(unquote(parse_qs(urlsplit(dsn).query)["host"][0]))
-    (found,) = [p for p in directory.glob(".s.PGSQL.*") if p.suffix != ".lock"]
-    return str(found)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def deployment(
     pod_node: PodNode, embedded_postgres_server: EmbeddedPostgres
 ) -> AsyncIterator[Deployment]:
     """README's commands up to ``helm install``, run; the operator's database audited."""
-    problem = image_problem()
-    if problem:
-        pytest.fail(problem, pytrace=False)
-    dsn = await embedded_postgres_server.create_database()
-    async with PostgresFencedRepository(dsn, scope=LEASE) as fence:
-        await fence.migrate()  # the operator's own tables, made early so they can be audited
-    await audit.install(dsn)
-    await pod_node.expose(postgres_socket(dsn), DATABASE_PORT)
+    archive = built_image()
+    dsn = await audited_database(embedded_postgres_server, pod_node, DATABASE_PORT)
     deployed = Deployment(pod_node, dsn)
-    archive = image_archive()
-    assert archive is not None
     ctr = command("ctr")
     assert ctr[-1] == str(archive.relative_to(ROOT)), "README imports another archive"
     await pod_node.import_image(archive, ctr[ctr.index("--base-name") + 1])
