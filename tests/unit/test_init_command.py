@@ -63,3 +63,25 @@ def test_only_an_empty_folder_is_written(tmp_path: Path) -> None:
     file = tmp_path / "handlers.py"
     with pytest.raises(kr.ConfigError, match="is a file, not a folder"):
         scaffold(Project.of("websites"), file)
+
+
+#: The pytest plugin that provides each option a scaffold's pytest configuration may set.
+PLUGIN_OF_OPTION = {"asyncio_": "pytest-asyncio", "timeout": "pytest-timeout"}
+
+
+def test_every_pytest_option_of_the_scaffold_comes_with_the_testing_extra(tmp_path: Path) -> None:
+    # A plain `pip install 'kopf-reconcile[testing]' pytest` must run the project's tests
+    # without an unknown-option warning: each plugin its options need is in the extra.
+    import tomllib
+
+    scaffold(Project.of("websites"), tmp_path)
+    options = tomllib.loads((tmp_path / "pyproject.toml").read_text())["tool"]["pytest"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    testing = " ".join(project["project"]["optional-dependencies"]["testing"])
+    core = {"testpaths"}
+    for option in set(options["ini_options"]) - core:
+        plugin = next(
+            (p for prefix, p in PLUGIN_OF_OPTION.items() if option.startswith(prefix)), None
+        )
+        assert plugin is not None, f"the scaffold sets {option!r}: which plugin provides it?"
+        assert plugin in testing, f"the scaffold sets {option!r}, but [testing] lacks {plugin}"
