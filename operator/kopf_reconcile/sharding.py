@@ -24,6 +24,7 @@ __all__ = [
     "MAX_SHARDS",
     "ShardAssignment",
     "fnv1a_64",
+    "of_reconciler",
     "shard_id",
     "validate_shards",
 ]
@@ -45,6 +46,20 @@ def fnv1a_64(data: bytes) -> int:
 def shard_id(reconciler_id: str, shard: int) -> str:
     """The lease name and fencing scope of ``shard`` of ``reconciler_id``."""
     return f"{reconciler_id}-shard-{shard}"
+
+
+def of_reconciler(name: str, reconciler_id: str) -> bool:
+    """Whether a lease or scope ``name`` is ``reconciler_id``'s: its own, one of its shards'
+    (``<id>-shard-<k>``) or of its members' (``<id>-member-<k>``), never another name that
+    merely starts the same way."""
+    if name == reconciler_id:
+        return True
+    rest = name[len(reconciler_id) :] if name.startswith(reconciler_id) else ""
+    for kind in ("-shard-", "-member-"):
+        number = rest[len(kind) :] if rest.startswith(kind) else ""
+        if number.isascii() and number.isdigit():
+            return True
+    return False
 
 
 def validate_shards(value: object) -> int:
