@@ -28,11 +28,13 @@ reporting failures on one line.)
   led, else from the Lease), dead letters, and, given the replicas' addresses (``--endpoint``),
   the leader's queued and in-flight reconciles (from ``/healthz``).
 * ``kopf-reconcile reshard --reconciler R --shards M [--by-namespace] --leases STORE``
-  changes a sharded reconciler's layout in one PostgreSQL transaction: once no shard
-  lease of the reconciler is held in STORE (no replica of the old layout leads; it
-  refuses otherwise), every shard scope is fenced above every epoch it has seen, each
-  entity's rows move to its new shard scope, and the new layout is recorded
-  (``PostgresFencedRepository.reshard``).
+  changes a reconciler's shard layout in one PostgreSQL transaction (M = 1: unsharded;
+  an unsharded reconciler can be sharded): once no lease of the old layout is held in
+  STORE (no replica of the old layout leads; it refuses otherwise), every scope of the
+  reconciler is fenced above every epoch it has seen, each entity's rows move to its new
+  scope, and the new layout is recorded (``PostgresFencedRepository.reshard``); it names
+  the leases the new layout never uses, and the command that deletes them. ``dead-letters``,
+  ``redrive`` and ``status`` given ``--reconciler R`` include R's shards.
 
 As ``kubectl-reconcile`` the same commands are a kubectl plugin: ``kubectl reconcile status``.
 
@@ -204,18 +206,18 @@ def _parser() -> argparse.ArgumentParser:
         "reshard",
         help="change a sharded reconciler's shard count, in one transaction",
         description=(
-            "Move a sharded reconciler's entities to a new shard layout in one PostgreSQL "
-            "transaction: check that no shard lease of the reconciler is held (stop the "
-            "replicas of the old layout first), fence every shard scope, old and new, above "
-            "every epoch it has seen (replicas of the old layout are refused from the commit "
-            "on), move each entity's state, dead letter and redrive request to its new shard "
-            "scope, and record the new layout (replicas of it lead from then on)."
+            "Move a reconciler's entities to a new shard layout in one PostgreSQL "
+            "transaction (--shards 1: unsharded): check that no lease of the old layout is "
+            "held (stop the replicas of the old layout first), fence every scope of the "
+            "reconciler above every epoch it has seen (replicas of the old layout are refused "
+            "from the commit on), move each entity's state, dead letter and redrive request "
+            "to its new scope, and record the new layout (replicas of it lead from then on)."
         ),
     )
     reshard.add_argument(
         "--reconciler",
         required=True,
-        help="the base fenced scope of the sharded reconciler: its reconciler id, unless its "
+        help="the base fenced scope of the reconciler: its reconciler id, unless its "
         "repository was built with an explicit scope (then that scope)",
     )
     reshard.add_argument(
@@ -868,7 +870,7 @@ def _reshard(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(_run_reshard(url, args, leases, config))
     except ConfigError:
-        raise  # a refusal (never sharded, same layout, no tables, duplicates): exit status 2
+        raise  # a refusal (never led, a shard's scope, same layout, no tables, ...): status 2
     except Exception as exc:
         print(
             f"kopf-reconcile reshard: nothing changed at {redact_dsn(url)}: "
