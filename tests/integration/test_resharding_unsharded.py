@@ -328,3 +328,29 @@ async def test_reshard_to_fewer_shards_names_the_retired_leases_and_how_to_delet
         f"{rid}-shard-0",
         f"{rid}-shard-1",
     ]
+
+
+async def test_another_reconcilers_scope_is_a_configuration_error_not_a_layout_to_reshard(
+    dsn: str,
+) -> None:
+    # A layout refusal advises a reshard of the scope; another reconciler's scope must not
+    # get that advice (resharding it would take the other reconciler's rows): it is refused
+    # for good, as any scope numbered by another lease.
+    scope, mine, other = fresh_id(), fresh_id(), fresh_id()
+    async with PostgresFencedRepository(dsn, scope=scope) as unsharded:
+        unsharded.bind_loop(reconciler_id=other, tenancy=kr.Tenancy.SINGLE_TENANT)
+        await unsharded.record_epoch(2, "other")
+    async with PostgresFencedRepository(dsn, scope=scope) as base:
+        base.bind_loop(reconciler_id=mine, tenancy=kr.Tenancy.SINGLE_TENANT)
+        with pytest.raises(kr.ConfigError, match="not one of reconciler") as refused:
+            await base.record_shard_count(3)
+        assert not isinstance(refused.value, ShardLayoutError)
+    sharded_scope = fresh_id()
+    async with PostgresFencedRepository(dsn, scope=sharded_scope) as base:
+        base.bind_loop(reconciler_id=other, tenancy=kr.Tenancy.SINGLE_TENANT)
+        await base.record_shard_count(3)
+    async with PostgresFencedRepository(dsn, scope=sharded_scope) as unsharded:
+        unsharded.bind_loop(reconciler_id=mine, tenancy=kr.Tenancy.SINGLE_TENANT)
+        with pytest.raises(kr.ConfigError, match="give this reconciler its own scope") as refused:
+            await unsharded.record_epoch(1, "mine")
+        assert not isinstance(refused.value, ShardLayoutError)

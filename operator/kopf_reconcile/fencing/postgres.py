@@ -480,12 +480,20 @@ class PostgresFencedRepository(AsyncClosing):
                 if row is not None
                 else await connection.fetchval(self._scope_lease_sql, self._scope)
             )
-        if row is None:
-            raise ShardLayoutError(
-                f"fenced scope {self._scope!r} of {self._table} is recorded for lease "
-                f"{owner!r}, not {lease!r}: the shard layout changed (or the scope was led "
-                f"unsharded). {_reshard_hint(self._scope, assignment)}"
+        if row is not None:
+            return
+        if _reconciler_of(owner) != base:
+            # Another reconciler's scope: no reshard of it would make it this one's.
+            raise ConfigError(
+                f"fenced scope {self._scope!r} of {self._table} is numbered by the lease "
+                f"{owner!r}, not one of reconciler {base!r}: two reconcilers' epochs would "
+                "fence each other; give this reconciler its own scope"
             )
+        raise ShardLayoutError(
+            f"fenced scope {self._scope!r} of {self._table} is recorded for lease "
+            f"{owner!r}, not {lease!r}: the shard layout changed (or the scope was led "
+            f"unsharded). {_reshard_hint(self._scope, assignment)}"
+        )
 
     async def reshard(
         self,
@@ -822,7 +830,7 @@ class PostgresFencedRepository(AsyncClosing):
                 # The scope's leadership history (for `kopf-reconcile status`).
                 await connection.execute(self._led_sql, self._scope, epoch, holder, before or 0)
                 await connection.execute(self._prune_leaders_sql, self._scope)
-        if row is None and layout is None and parse_layout(owner) is not None:
+        if row is None and layout is None and _reconciler_of(owner, sharded=True) == lease:
             # An unsharded leader of a scope recorded as sharded: the layout changed (or
             # will, once this replica's rollout is done); a reshard to 1 shard ends it.
             raise ShardLayoutError(
@@ -1167,6 +1175,15 @@ def _base_lease(reconciler_id: str, assignment: ShardAssignment) -> str:
     if assignment.shards == 1:
         return reconciler_id
     return layout_lease(reconciler_id, assignment.shards, assignment.by_namespace)
+
+
+def _reconciler_of(base_lease: object, *, sharded: bool = False) -> str | None:
+    """The reconciler whose lease a base scope's epochs row names: the id of its layout
+    (``<id>/shards=N``), or, unless ``sharded``, the lease itself (led unsharded)."""
+    parsed = parse_layout(base_lease)
+    if parsed is not None:
+        return parsed[0]
+    return None if sharded or not isinstance(base_lease, str) else base_lease
 
 
 def _describe(base_lease: str) -> str:
