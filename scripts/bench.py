@@ -56,6 +56,7 @@ PLAN = [
     Benchmark("follower", ["--devices", "10000", "--idle-seconds", "10"], 300),
     Benchmark("cluster", ["--requests", "20000"], 180),
     Benchmark("sharded_throughput", ["--runs", "2"], 300),
+    Benchmark("sharded_lists", ["--objects", "10000"], 300),
 ]
 
 # What bounds a figure that misses its target (shown only when it misses), by benchmark,

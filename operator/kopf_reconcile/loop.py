@@ -82,6 +82,7 @@ from kopf_reconcile.api import (
 from kopf_reconcile.backoff import requeue_jitter
 from kopf_reconcile.config import LoopConfig
 from kopf_reconcile.control.holding import LeaseHolder
+from kopf_reconcile.control.layout_wait import LayoutWait
 from kopf_reconcile.dead_letters import DurableDeadLetters
 from kopf_reconcile.dispatch_queue import DispatchQueue
 from kopf_reconcile.events import EventRecorder, LoopEvents, bind_events
@@ -89,6 +90,7 @@ from kopf_reconcile.fencing.protocol import (
     DeadLetterStore,
     EpochRecordingRepository,
     LoopBoundRepository,
+    ShardLayoutError,
     StaleEpochError,
 )
 from kopf_reconcile.fencing.writer import (
@@ -138,6 +140,8 @@ class Loop:
         self._config = config
         self._may_acquire = may_acquire
         self._name, self._reconciler_id = config.names()
+        # An unsharded replica refused for the layout its store records waits, then retries.
+        self._layout_wait = LayoutWait(self._name, config.renew_interval, config.rng)
         _, self._reconcile = as_reconcile_fn(config.reconciler)
         self._started = False
         self._stopping = False
@@ -261,7 +265,7 @@ class Loop:
                 on_lead=self._on_lead,
                 on_lose=self._on_lose,
                 confirm=self._confirm_epoch if self._recorder is not None else None,
-                may_acquire=self._may_acquire,
+                may_acquire=self._may_acquire_now,
             )
             self._holder.start()
         logger.info(
@@ -667,7 +671,15 @@ class Loop:
         at this very epoch by someone who read the floor before.
         """
         assert self._recorder is not None
-        await self._recorder.record_epoch(token.epoch, token.holder_id)
+        try:
+            await self._recorder.record_epoch(token.epoch, token.holder_id)
+        except ShardLayoutError as exc:
+            raise self._layout_wait.refused(exc) from None
+        self._layout_wait.accepted()
+
+    def _may_acquire_now(self) -> bool:
+        """Asked before each acquire attempt: not while a layout refusal is waited out."""
+        return self._layout_wait.open() and (self._may_acquire is None or self._may_acquire())
 
     def _on_lead(self, token: LeaseToken) -> None:
         if self._durable is not None:

@@ -56,6 +56,7 @@ from typing import Any
 from kopf_reconcile.api import ConfigError, PermanentError, Request, seconds
 from kopf_reconcile.config import LoopConfig
 from kopf_reconcile.control.balance import balance, member_id, view_from_records
+from kopf_reconcile.control.layout_wait import LayoutRefused
 from kopf_reconcile.fencing.protocol import (
     DeadLetter,
     FencedRepository,
@@ -75,15 +76,6 @@ logger = logging.getLogger("kopf_reconcile.loop")
 HANDOFF_COOLDOWN_TTLS = 2.0  # a shard handed off is not taken back by the same replica for this
 HANDOFF_SPACING_TTLS = 1.0  # at most one hand-off per this many TTLs (the view catches up)
 LIST_FAILURES_BEFORE_GREEDY = 3  # listings failed in a row, never one seen: take what is free
-LAYOUT_RETRY_MAX = 60.0  # seconds: the longest wait between attempts refused for the layout
-
-
-class ShardLayoutRefused(Exception):
-    """A shard's lease was taken, but the layout check refused it: handed back, retried later.
-
-    Not a :class:`~kopf_reconcile.ConfigError` on purpose: the lease control plane stops
-    for good on those, and a layout refusal ends when ``kopf-reconcile reshard`` commits.
-    """
 
 
 class ShardedLoop(Loop):
@@ -109,8 +101,6 @@ class ShardedLoop(Loop):
         self._timing = config.lease_timing()
         self._claimed = False
         self._claim_lock = asyncio.Lock()
-        self._layout_backoff = 0.0  # seconds; 0 until a layout refusal
-        self._layout_retry_at = 0.0  # no shard is acquired before (event loop clock)
         self._target = 0
         self._view_known = False
         self._cooldown: dict[int, float] = {}
@@ -280,33 +270,23 @@ class ShardedLoop(Loop):
         async with self._claim_lock:
             if self._claimed:
                 return
-            if asyncio.get_running_loop().time() < self._layout_retry_at:
-                raise ShardLayoutRefused("the shard layout was refused; waiting to try again")
+            if not self._layout_wait.open():
+                raise LayoutRefused("the shard layout was refused; waiting to try again")
             await repo.record_shard_count(self.shards, by_namespace=self._assignment.by_namespace)
             self._claimed = True
 
-    def _layout_refused(self, exc: ShardLayoutError) -> ShardLayoutRefused:
-        """Lead nothing for a while (backoff), log why once per wait; what to raise."""
+    def _layout_refused(self, exc: ShardLayoutError) -> LayoutRefused:
+        """Lead no shard for a while (backoff), log why once per wait; what to raise."""
         self._claimed = False  # the layout is claimed (and checked) again next time
-        now = asyncio.get_running_loop().time()
-        if now >= self._layout_retry_at:  # not yet refused in this wait: one more step
-            period = self._timing.retry_period
-            self._layout_backoff = min(max(2 * self._layout_backoff, period), LAYOUT_RETRY_MAX)
-            self._layout_retry_at = now + self._layout_backoff * self._config.rng.uniform(1, 1.2)
-            logger.error(
-                "loop %s leads no shard: %s (trying again in %.0fs)",
-                self.name,
-                exc,
-                self._layout_retry_at - now,
-                extra={"controller": self.name},
-            )
-        return ShardLayoutRefused(
-            f"shard layout refused (logged as an error above); retrying within "
-            f"{self._layout_backoff:.0f}s"
-        )
+        return self._layout_wait.refused(exc)
 
     def _layout_accepted(self) -> None:
-        self._layout_backoff = 0.0
+        self._layout_wait.accepted()
+
+    @property
+    def _layout_backoff(self) -> float:
+        """Seconds waited between attempts refused for the layout; 0 when not refused."""
+        return self._layout_wait.backoff
 
     # -- balance -----------------------------------------------------------------
 
@@ -315,7 +295,7 @@ class ShardedLoop(Loop):
         if self._stopping or not self._view_known:
             return False
         now = asyncio.get_running_loop().time()
-        if self._cooldown.get(shard, 0.0) > now or self._layout_retry_at > now:
+        if self._cooldown.get(shard, 0.0) > now or not self._layout_wait.open():
             return False
         holder = self._holders.get(shard)
         if holder is not None and holder != self._me:
@@ -464,11 +444,11 @@ class _ShardFence:
     Every other capability of the shard's repository (binding, epoch floors) passes
     through; recording an epoch first records the shard count in the base scope (once,
     and again after a layout refusal), and a layout refusal becomes a retry with backoff
-    (:class:`ShardLayoutRefused`). Dead letters are kept for entities of its own shard
-    only, as writes are: recording or clearing another shard's is refused, and a dead
-    letter or redrive request of another shard's entity found in its scope is dropped
-    with a warning (the store keeps each in its entity's shard scope; this is the
-    second line of defence).
+    (:class:`~kopf_reconcile.control.layout_wait.LayoutRefused`). Dead letters are kept
+    for entities of its own shard only, as writes are: recording or clearing another
+    shard's is refused, and a dead letter or redrive request of another shard's entity
+    found in its scope is dropped with a warning (the store keeps each in its entity's
+    shard scope; this is the second line of defence).
     """
 
     def __init__(self, owner: ShardedLoop, base: FencedRepository, shard: int) -> None:

@@ -21,10 +21,17 @@ import dataclasses
 from kopf_reconcile.api import ConfigError
 
 __all__ = [
+    "HASH_SPACE",
     "MAX_SHARDS",
+    "NAMESPACE_FIELD",
+    "UID_FIELD",
     "ShardAssignment",
     "fnv1a_64",
+    "hash_range",
+    "of_reconciler",
+    "range_of",
     "shard_id",
+    "shard_selector",
     "validate_shards",
 ]
 
@@ -45,6 +52,50 @@ def fnv1a_64(data: bytes) -> int:
 def shard_id(reconciler_id: str, shard: int) -> str:
     """The lease name and fencing scope of ``shard`` of ``reconciler_id``."""
     return f"{reconciler_id}-shard-{shard}"
+
+
+def of_reconciler(name: str, reconciler_id: str) -> bool:
+    """Whether a lease or scope ``name`` is ``reconciler_id``'s: its own, one of its shards'
+    (``<id>-shard-<k>``) or of its members' (``<id>-member-<k>``), never another name that
+    merely starts the same way."""
+    if name == reconciler_id:
+        return True
+    rest = name[len(reconciler_id) :] if name.startswith(reconciler_id) else ""
+    for kind in ("-shard-", "-member-"):
+        number = rest[len(kind) :] if rest.startswith(kind) else ""
+        if number.isascii() and number.isdigit():
+            return True
+    return False
+
+
+HASH_SPACE = 2**64  # FNV-1a 64's values: [0, 2**64)
+UID_FIELD = "object.metadata.uid"  # what KEP-5866's shard selectors can hash
+NAMESPACE_FIELD = "object.metadata.namespace"
+
+
+def hash_range(shard: int, shards: int) -> tuple[int, int]:
+    """Shard ``shard``'s contiguous part ``[start, end)`` of the FNV-1a 64 space, of ``shards``
+    equal parts (the last one ends at 2**64), as KEP-5866's shard selectors split it."""
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard must be in range({shards}), got {shard!r}")
+    return shard * HASH_SPACE // shards, (shard + 1) * HASH_SPACE // shards
+
+
+def range_of(value: str, shards: int) -> int:
+    """The contiguous range (:func:`hash_range`) ``value``'s FNV-1a 64 hash falls in."""
+    return fnv1a_64(value.encode("utf-8", "surrogatepass")) * shards // HASH_SPACE
+
+
+def shard_selector(field: str, ranges: list[tuple[int, int]]) -> str:
+    """The ``shardSelector`` of KEP-5866 (kube-apiserver 1.36+, gate ``ShardedListAndWatch``)
+    selecting ``ranges`` of ``field``'s hash, in the server's canonical form: its list echoes
+    exactly this string as ``metadata.shardInfo.selector``. Bounds are ``0x`` and 16 lowercase
+    hex digits, the end of the space ``0x10000000000000000``; start inclusive, end exclusive."""
+    if field not in (UID_FIELD, NAMESPACE_FIELD) or not ranges:
+        raise ValueError(f"a shard selector needs a field of {UID_FIELD}, {NAMESPACE_FIELD}")
+    return " || ".join(
+        f"shardRange({field}, '0x{start:016x}', '0x{end:016x}')" for start, end in ranges
+    )
 
 
 def validate_shards(value: object) -> int:

@@ -7,7 +7,7 @@
   the new layout assigns, state and ``last_epoch`` kept; every shard scope, old and new,
   is fenced at one epoch above all it had seen, so a write of the old layout is refused in
   each, and the next leader of a shard starts above that epoch.
-- It refuses a scope never sharded and the layout already recorded.
+- It refuses a scope never led and the layout already recorded.
 - The command prints what it did; the kubectl plugin forwards it.
 - Liveness: a sharded Loop of the new count started before the reshard leads once it
   commits; a replica of the old count that led before it never starts leading again.
@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import json
 import secrets
@@ -43,8 +42,8 @@ from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.fencing.protocol import ShardLayoutError
 from kopf_reconcile.leader import kubernetes as kubernetes_leases
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
-from kopf_reconcile.sharded_loop import ShardedLoop
 from kopf_reconcile.sharding import ShardAssignment, shard_id
+from replicas import Replica, rows
 from support import eventually, run_cli
 
 BIN = Path(sys.executable).parent
@@ -70,23 +69,6 @@ async def sharded_repositories(
         parts.append(part)
     await base.record_shard_count(shards)
     return base, parts
-
-
-async def rows(dsn: str, table: str, rid: str) -> dict[str, list[tuple[str, int]]]:
-    """entity -> [(scope, epoch)] of ``table``'s rows in ``rid``'s shard scopes."""
-    epoch = {TABLE: "last_epoch", f"{TABLE}_redrives": "0"}.get(table, "epoch")
-    connection = await asyncpg.connect(dsn)
-    try:
-        found = await connection.fetch(
-            f"SELECT scope, entity_id, {epoch} AS epoch FROM {table} WHERE starts_with(scope, $1)",
-            f"{rid}-shard-",
-        )
-    finally:
-        await connection.close()
-    placed: dict[str, list[tuple[str, int]]] = {}
-    for row in found:
-        placed.setdefault(row["entity_id"], []).append((row["scope"], int(row["epoch"])))
-    return placed
 
 
 async def stored_states(dsn: str, rid: str) -> dict[tuple[str, str], Any]:
@@ -203,15 +185,10 @@ async def test_reshard_moves_every_row_to_its_new_scope_and_fences_the_old_layou
         await base.close()
 
 
-async def test_reshard_refuses_an_unsharded_scope_and_the_same_layout(dsn: str) -> None:
-    rid = fresh_id()
-    async with PostgresFencedRepository(dsn) as unsharded:
-        unsharded.bind_loop(reconciler_id=rid, tenancy=kr.Tenancy.SINGLE_TENANT)
-        await unsharded.record_epoch(2, "an-unsharded-leader")
-    async with PostgresFencedRepository(dsn, scope=rid) as admin:
-        with pytest.raises(kr.ConfigError, match="never sharded"):
-            await admin.reshard(2)
+async def test_reshard_refuses_a_scope_never_led_and_the_same_layout(dsn: str) -> None:
+    # (A scope led unsharded can be sharded: test_resharding_unsharded.py.)
     async with PostgresFencedRepository(dsn, scope="never-led") as admin:
+        await admin.migrate()
         with pytest.raises(kr.ConfigError, match="never led nor sharded"):
             await admin.reshard(2)
     sharded = fresh_id()
@@ -312,7 +289,7 @@ async def test_the_reshard_command(dsn: str) -> None:
     counts = {k: ShardAssignment(2).shard_of(e) for k, e in enumerate(ENTITIES)}
     for k in range(2):
         assert f"shard {k}: {sum(1 for s in counts.values() if s == k)} entities" in out
-    assert f"{rid}-shard-2, {rid}-shard-3" in out and "kopf-reconcile leases" in out
+    assert f"never uses: {rid}-shard-2, {rid}-shard-3, {rid}-member-2, {rid}-member-3" in out
     # The same layout again: a configuration error, nothing changed.
     code, _, err = await run_cli(
         "reshard", "--reconciler", rid, "--shards", "2", "--leases", "postgres", dsn=dsn
@@ -343,53 +320,6 @@ async def test_the_reshard_command(dsn: str) -> None:
 # -- liveness after a refusal --------------------------------------------------------------
 
 
-class Replica:
-    """A ShardedLoop writing each entity it reconciles, fed every entity again and again."""
-
-    def __init__(self, dsn: str, rid: str, name: str, shards: int) -> None:
-        self.name = name
-        self.elector = PostgresLeaseElector(dsn, ttl=1.0, holder_id=name)
-        self.repo = PostgresFencedRepository(dsn)
-        self.feed: asyncio.Queue[kr.Request] = asyncio.Queue()
-        self.rejected = 0
-
-        async def reconcile(req: kr.Request) -> kr.Result:
-            writer = kr.fenced_writer()
-            if req.entity_id and writer is not None:
-                try:
-                    await writer.write(req.entity_id, {"by": name, "epoch": writer.epoch})
-                except kr.StaleEpochError:
-                    self.rejected += 1
-                    raise
-            return kr.Result()
-
-        loop = (
-            kr.Builder(reconcile, kr.Tenancy.TENANT_SCOPED)
-            .with_trigger(kr.ChannelTrigger(self.feed))
-            .with_leader(self.elector)
-            .with_fenced_repo(self.repo)
-            .with_reconciler_id(rid)
-            .with_renew_interval(0.1)
-            .with_stop_timeout(2)
-            .with_shards(shards)
-            .build()
-        )
-        assert isinstance(loop, ShardedLoop)
-        self.loop = loop
-
-    async def feed_forever(self) -> None:
-        while True:
-            for entity in ENTITIES:
-                self.feed.put_nowait(kr.Request(entity))
-            await asyncio.sleep(0.05)
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.loop.stop(timeout=1)
-        await self.repo.close()
-        await self.elector.close()
-
-
 async def scope_lease(dsn: str, scope: str) -> str | None:
     """The lease a scope's epochs row names: a base scope's names its layout (``<id>/shards=N``)."""
     connection = await asyncpg.connect(dsn)
@@ -409,7 +339,7 @@ async def test_the_reshard_command_refuses_while_a_replica_of_the_old_layout_lea
     # fence: it would go on dispatching its shards' entities beside their new holders.
     # The command refuses while any shard lease is held, and changes nothing.
     rid = fresh_id()
-    old = Replica(dsn, rid, "old", 3)
+    old = Replica(dsn, rid, "old", 3, ENTITIES)
     feeding: asyncio.Task[None] | None = None
     try:
         await old.loop.start()
@@ -498,9 +428,9 @@ async def test_a_new_layout_replica_leads_once_the_reshard_commits_and_an_old_on
     dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     rid = fresh_id()
-    old = Replica(dsn, rid, "old", 3)
-    new = Replica(dsn, rid, "new", 2)
-    late = Replica(dsn, rid, "late-old", 3)
+    old = Replica(dsn, rid, "old", 3, ENTITIES)
+    new = Replica(dsn, rid, "new", 2, ENTITIES)
+    late = Replica(dsn, rid, "late-old", 3, ENTITIES)
     feeding: list[asyncio.Task[None]] = []
     try:
         await old.loop.start()
@@ -779,7 +709,8 @@ async def test_no_epoch_of_either_release_is_recorded_while_the_reshard_checks(d
     await base.close()
     outcomes: dict[str, str] = {}
 
-    async def check(reconciler_id: str) -> None:
+    async def check(reconciler_id: str, old_leases: tuple[str, ...]) -> None:
+        assert old_leases == tuple(shard_id(reconciler_id, k) for k in range(3))
         connection = await asyncpg.connect(dsn)
         try:
             await connection.execute("SET lock_timeout = '300ms'")
@@ -936,7 +867,7 @@ async def test_the_reshard_command_refuses_bad_counts_alike_and_creates_no_table
         assert await connection.fetchval("SELECT to_regclass($1)", f"{TABLE}_epochs") is None
     finally:
         await connection.close()
-    for shards in ("1", "5000"):
+    for shards in ("0", "5000"):
         code, _, err = await run_cli(
             "reshard",
             "--reconciler",
@@ -947,7 +878,7 @@ async def test_the_reshard_command_refuses_bad_counts_alike_and_creates_no_table
             "postgres",
             dsn=dsn,
         )
-        assert code == 2 and f"from 2 to 1024, got {shards}" in err, err
+        assert code == 2 and f"from 1 to 1024, got {shards}" in err, err
     async with PostgresFencedRepository(dsn) as repository:
         await repository.migrate()
     code, _, err = await run_cli(

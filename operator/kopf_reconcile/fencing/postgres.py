@@ -195,6 +195,13 @@ def shard_scope_lease(shard_lease: str, shards: int, by_namespace: bool) -> str:
     return f"{shard_lease}@shards={shards}" + ("/by-namespace" if by_namespace else "")
 
 
+# A scope of a reconciler: its base scope ``given`` or one of its shard scopes
+# ``<given>-shard-<k>`` (never another scope that merely starts with the same text).
+_OF_RECONCILER = (
+    "({scope} = {given} OR (starts_with({scope}, {given} || '-shard-') "
+    "AND substr({scope}, char_length({given}) + 8) ~ '^[0-9]+$'))"
+)
+
 _LAYOUT = re.compile(r"(?s)(?P<id>.+)/shards=(?P<shards>[0-9]+)(?P<by_namespace>/by-namespace)?")
 
 
@@ -289,7 +296,7 @@ class PostgresFencedRepository(AsyncClosing):
         self._dead_list_sql = f"""
             SELECT scope, entity_id, reason, first_at, last_at, attempts, epoch
               FROM {self._dead}
-             WHERE ($1::text IS NULL OR scope = $1)
+             WHERE ($1::text IS NULL OR {_OF_RECONCILER.format(scope="scope", given="$1")})
                AND ($2::text IS NULL OR starts_with(entity_id, $2 || '/'))
              ORDER BY scope, entity_id
         """
@@ -300,7 +307,10 @@ class PostgresFencedRepository(AsyncClosing):
         # any other request: no deadlock), and tells the caller every dead letter it saw:
         # one in a scope it did not lock moved meanwhile, and the request is made again.
         # An existing request is left as it is (not locked: a take can delete it).
-        redrive_where = "($1::text IS NULL OR entity_id = $1) AND ($2::text IS NULL OR scope = $2)"
+        redrive_where = (
+            "($1::text IS NULL OR entity_id = $1) AND ($2::text IS NULL OR "
+            f"{_OF_RECONCILER.format(scope='scope', given='$2')})"
+        )
         self._redrive_lock_sql = f"""
             SELECT scope FROM {self._epochs}
              WHERE scope IN (SELECT scope FROM {self._dead} WHERE {redrive_where})
@@ -470,12 +480,20 @@ class PostgresFencedRepository(AsyncClosing):
                 if row is not None
                 else await connection.fetchval(self._scope_lease_sql, self._scope)
             )
-        if row is None:
-            raise ShardLayoutError(
-                f"fenced scope {self._scope!r} of {self._table} is recorded for lease "
-                f"{owner!r}, not {lease!r}: the shard layout changed (or the scope was led "
-                f"unsharded). {_reshard_hint(self._scope, assignment)}"
+        if row is not None:
+            return
+        if _reconciler_of(owner) != base:
+            # Another reconciler's scope: no reshard of it would make it this one's.
+            raise ConfigError(
+                f"fenced scope {self._scope!r} of {self._table} is numbered by the lease "
+                f"{owner!r}, not one of reconciler {base!r}: two reconcilers' epochs would "
+                "fence each other; give this reconciler its own scope"
             )
+        raise ShardLayoutError(
+            f"fenced scope {self._scope!r} of {self._table} is recorded for lease "
+            f"{owner!r}, not {lease!r}: the shard layout changed (or the scope was led "
+            f"unsharded). {_reshard_hint(self._scope, assignment)}"
+        )
 
     async def reshard(
         self,
@@ -483,34 +501,44 @@ class PostgresFencedRepository(AsyncClosing):
         *,
         by_namespace: bool = False,
         holder: str = "reshard",
-        check: Callable[[str], Awaitable[None]] | None = None,
+        check: Callable[[str, tuple[str, ...]], Awaitable[None]] | None = None,
     ) -> ReshardReport:
         """Change the shard layout recorded in this (base) scope, in one transaction.
 
-        Locks the base scope's epochs row exclusively (a shard's :meth:`record_epoch`
-        share-locks it: none commits across the change), then every shard scope's row,
-        old layout and new, in scope order (each waits for the writes and redrive requests
-        in flight in it). ``E``, one above every epoch recorded or written in those
-        scopes, is recorded as leading each of them by ``holder``, with the shard's lease
-        qualified by the new layout (:func:`shard_scope_lease`): from the commit on every
-        writer of the old layout is refused in every shard scope, a client that does not
-        check layouts can no longer record an epoch there, and the next holder of each
-        shard lease starts above ``E`` (its epoch floor). Each entity's row, dead letter
-        and redrive request moves to the scope of its shard in the new layout (the row is
-        re-keyed, not copied), with its state and ``last_epoch`` (below ``E``); the base
-        scope then records the new layout.
+        ``shards`` is the new count; 1 makes the reconciler unsharded again, and a scope
+        led unsharded (its epochs row names the reconciler's own lease) can be sharded:
+        the base scope takes part as the one scope of the unsharded layout.
 
-        ``check``, when given, is awaited with the reconciler id once the base scope's row
-        and every shard scope's row are locked, before anything changes: no shard epoch can
-        be recorded meanwhile, so what it finds (no old-layout replica leading: the
-        command's lease check) still holds at the commit. What it raises rolls the reshard
-        back.
+        Locks the base scope's epochs row exclusively (a shard's :meth:`record_epoch`
+        share-locks it, an unsharded leader's records in it: none commits across the
+        change), then every shard scope's row, old layout and new, in scope order (each
+        waits for the writes and redrive requests in flight in it). ``E``, one above every
+        epoch recorded or written in the base scope and those scopes, is recorded as
+        leading each of them by ``holder``, each shard scope naming the shard's lease
+        qualified by the new layout (:func:`shard_scope_lease`): from the commit on every
+        writer of the old layout is refused in every scope it wrote to, a client that does
+        not check layouts can no longer record an epoch in a shard scope, and the next
+        holder of each lease starts above ``E`` (its epoch floor). Each entity's row, dead
+        letter and redrive request moves to its scope under the new layout (its shard's, or
+        the base scope when unsharded; the row is re-keyed, not copied), with its state and
+        ``last_epoch`` (below ``E``); the base scope then records the new layout (the
+        reconciler's own lease when unsharded).
+
+        ``check``, when given, is awaited with the reconciler id and the leases of the old
+        layout (its shard leases, or its own lease when it was unsharded) once the base
+        scope's row and every shard scope's row are locked, before anything changes: no
+        epoch of the old layout can be recorded meanwhile, so what it finds (none of those
+        leases held: the command's lease check) still holds at the commit. What it raises
+        rolls the reshard back.
 
         Creates nothing: raises :class:`~kopf_reconcile.ConfigError` when the tables do
-        not exist, when the scope was never sharded or already has this layout, and when
-        an entity has rows (or dead letters) in two shard scopes; nothing changes then.
+        not exist, when the scope was never led, is a shard's scope or already has this
+        layout, and when an entity has rows (or dead letters) in two of its scopes;
+        nothing changes then.
         """
-        target = ShardAssignment(_check_shard_count(shards), by_namespace)
+        target = ShardAssignment(validate_shards(shards), by_namespace)
+        if target.shards == 1 and by_namespace:
+            raise ConfigError("by_namespace needs shards >= 2: one shard has no assignment")
         if not isinstance(holder, str) or not holder:
             raise ConfigError(f"holder must be a non-empty string, got {holder!r}")
         pool = await self._database.existing_pool()
@@ -525,53 +553,68 @@ class PostgresFencedRepository(AsyncClosing):
                 "changed nothing"
             ) from None
 
+    def _recorded_layout(self, recorded: object) -> tuple[str, ShardAssignment]:
+        """The reconciler id and layout a base scope's lease names (unsharded: 1 shard)."""
+        base = self._scope
+        parsed = parse_layout(recorded)
+        if parsed is not None:
+            return parsed
+        if not isinstance(recorded, str):
+            raise ConfigError(
+                f"fenced scope {base!r} of {self._table} was never led nor sharded (it has no "
+                "epochs row, or its row names no lease): only the base scope of a reconciler "
+                "(its reconciler id, or the explicit scope its repository was built with) can "
+                "be resharded"
+            )
+        if _SHARD_SCOPE_LEASE.fullmatch(recorded):
+            raise ConfigError(
+                f"fenced scope {base!r} of {self._table} is a shard's (its epochs row names "
+                f"the lease {recorded!r}): reshard the base scope of its reconciler"
+            )
+        return recorded, ShardAssignment(1)  # led unsharded, under the reconciler's lease
+
     async def _reshard(
         self,
         connection: asyncpg.Connection,
         target: ShardAssignment,
         holder: str,
-        check: Callable[[str], Awaitable[None]] | None,
+        check: Callable[[str, tuple[str, ...]], Awaitable[None]] | None,
     ) -> ReshardReport:
         base = self._scope
-        recorded = await connection.fetchval(
-            f"SELECT lease FROM {self._epochs} WHERE scope = $1 FOR UPDATE", base
+        locked_base = await connection.fetchrow(
+            f"SELECT lease, epoch FROM {self._epochs} WHERE scope = $1 FOR UPDATE", base
         )
-        parsed = parse_layout(recorded)
-        if parsed is None:
-            how = (
-                "was never led nor sharded (it has no epochs row, or its row names no lease)"
-                if recorded is None
-                else f"was never sharded (its epochs row names the lease {recorded!r}, not "
-                "'<reconciler id>/shards=<N>')"
-            )
-            raise ConfigError(
-                f"fenced scope {base!r} of {self._table} {how}: only the base scope of a "
-                "sharded reconciler (its reconciler id, or the explicit scope its repository "
-                "was built with) can be resharded"
-            )
-        reconciler_id, current = parsed
-        new_lease = layout_lease(reconciler_id, target.shards, target.by_namespace)
+        recorded = None if locked_base is None else locked_base["lease"]
+        reconciler_id, current = self._recorded_layout(recorded)
+        assert locked_base is not None
+        new_lease = _base_lease(reconciler_id, target)
         if current == target:
-            raise ConfigError(f"fenced scope {base!r} is already sharded as {new_lease!r}")
+            raise ConfigError(f"fenced scope {base!r} is already {_describe(new_lease)}")
         count = max(current.shards, target.shards)
-        scopes = [shard_id(base, k) for k in range(count)]
+        shard_scopes = [shard_id(base, k) for k in range(count)] if count > 1 else []
         leases = [
             shard_scope_lease(shard_id(reconciler_id, k), target.shards, target.by_namespace)
-            for k in range(count)
+            for k in range(len(shard_scopes))
         ]
         # Every shard scope gets a row to lock (and to fence), then all are locked in
         # scope order, the one order of every transaction that locks several (redrive
         # requests); each lock waits for the writes in flight in its scope.
-        await connection.execute(self._scope_rows_sql, scopes)
+        await connection.execute(self._scope_rows_sql, shard_scopes)
         locked = await connection.fetch(
             f"SELECT epoch FROM {self._epochs} WHERE scope = ANY($1) ORDER BY scope FOR UPDATE",
-            scopes,
+            shard_scopes,
         )
         # Checked once every row an epoch recording locks is held here: a recording of this
         # release (base row) or of one without the layout check (shard row only) either
         # committed before, under a lease the check then sees, or waits for the commit.
         if check is not None:
-            await check(reconciler_id)
+            old_leases = (
+                tuple(shard_id(reconciler_id, k) for k in range(current.shards))
+                if current.shards > 1
+                else (reconciler_id,)
+            )
+            await check(reconciler_id, old_leases)
+        scopes = [base, *shard_scopes]
         entities = await connection.fetch(
             f"SELECT scope, entity_id, last_epoch FROM {self._table} WHERE scope = ANY($1)",
             scopes,
@@ -585,6 +628,7 @@ class PostgresFencedRepository(AsyncClosing):
         # the locks that keep them from changing until commit).
         fence = 1 + max(
             (
+                int(locked_base["epoch"]),
                 *(int(row["epoch"]) for row in locked),
                 *(int(row["last_epoch"]) for row in entities),
                 *(int(row["epoch"]) for row in letters),
@@ -595,8 +639,8 @@ class PostgresFencedRepository(AsyncClosing):
         await connection.execute(
             f"UPDATE {self._epochs} AS led SET epoch = $3, holder = $4, lease = f.lease "
             "FROM unnest($1::text[], $2::text[]) AS f(scope, lease) WHERE led.scope = f.scope",
-            scopes,
-            leases,
+            [base, *shard_scopes],
+            [str(recorded), *leases],
             fence,
             holder,
         )
@@ -786,6 +830,14 @@ class PostgresFencedRepository(AsyncClosing):
                 # The scope's leadership history (for `kopf-reconcile status`).
                 await connection.execute(self._led_sql, self._scope, epoch, holder, before or 0)
                 await connection.execute(self._prune_leaders_sql, self._scope)
+        if row is None and layout is None and _reconciler_of(owner, sharded=True) == lease:
+            # An unsharded leader of a scope recorded as sharded: the layout changed (or
+            # will, once this replica's rollout is done); a reshard to 1 shard ends it.
+            raise ShardLayoutError(
+                f"fenced scope {self._scope!r} of {self._table} records the shard layout "
+                f"{owner!r}, and this replica runs it unsharded (lease {lease!r}). "
+                f"{_reshard_hint(self._scope, ShardAssignment(1))}"
+            )
         if row is None:
             raise ConfigError(
                 f"fenced scope {self._scope!r} of {self._table} is numbered by the lease of "
@@ -843,7 +895,8 @@ class PostgresFencedRepository(AsyncClosing):
     async def list_dead_letters(
         self, *, scope: str | None = None, namespace: str | None = None
     ) -> list[DeadLetter]:
-        """Dead letters of every scope (or of ``scope``), of one namespace's entities if given.
+        """Dead letters of every scope (or of ``scope`` and its shard scopes
+        ``<scope>-shard-<k>``), of one namespace's entities if given.
 
         Creates nothing: without the tables there is no dead letter.
         """
@@ -869,7 +922,8 @@ class PostgresFencedRepository(AsyncClosing):
         self, entity_id: str | None = None, *, scope: str | None = None
     ) -> list[str]:
         """Ask the leaders to retry dead-lettered entities: ``entity_id``, or all of them
-        (of ``scope`` if given). The entities asked for; the leaders take the requests.
+        (of ``scope`` and its shard scopes ``<scope>-shard-<k>`` if given). The entities
+        asked for; the leaders take the requests.
 
         Each request lands in the scope its dead letter is in when the request commits:
         it share-locks the epochs rows of those scopes first (a reshard, which locks them
@@ -1073,7 +1127,7 @@ def _plan_moves(
     moves: list[tuple[str, str, str]] = []
     merged: list[tuple[str, str]] = []
     for entity_id, found in by_entity.items():
-        home = shard_id(base, target.shard_of(entity_id))
+        home = base if target.shards == 1 else shard_id(base, target.shard_of(entity_id))
         kept = home if home in found else min(found)
         merged.extend((scope, entity_id) for scope in found if scope != kept)
         if kept != home:
@@ -1087,9 +1141,10 @@ def _refuse_duplicates(
     entities: list[asyncpg.Record],
     letters: list[asyncpg.Record],
 ) -> None:
-    """Refuse a reshard when an entity has rows (or dead letters) in two shard scopes.
+    """Refuse a reshard when an entity has rows (or dead letters) in two of the scopes
+    (the base scope and its shard scopes).
 
-    Each shard scope's epochs come from its own shard lease: two rows of one entity carry
+    Each scope's epochs come from its own lease: two rows of one entity carry
     epochs of two independent counters, and nothing tells which one is current.
     """
     found: dict[tuple[str, str], list[str]] = {}
@@ -1105,12 +1160,39 @@ def _refuse_duplicates(
     )
     more = f" (and {len(twice) - 10} more)" if len(twice) > 10 else ""
     raise ConfigError(
-        f"cannot reshard {base!r}: {len(twice)} entities have rows in two shard scopes: "
-        f"{shown}{more}. Their epochs come from two independent shard leases, so which "
+        f"cannot reshard {base!r}: {len(twice)} entities have rows in two shard scopes "
+        f"(or in the base scope and a shard scope): {shown}{more}. Their epochs come from "
+        "two independent leases, so which "
         "row is current cannot be told: keep the current one of each and delete the "
         "others (DELETE FROM <table> WHERE scope = '<scope>' AND entity_id = '<entity>'), "
         "then run the reshard again. Nothing changed"
     )
+
+
+def _base_lease(reconciler_id: str, assignment: ShardAssignment) -> str:
+    """What a base scope's epochs row names under ``assignment``: the reconciler's own
+    lease when unsharded, else the layout (:func:`layout_lease`)."""
+    if assignment.shards == 1:
+        return reconciler_id
+    return layout_lease(reconciler_id, assignment.shards, assignment.by_namespace)
+
+
+def _reconciler_of(base_lease: object, *, sharded: bool = False) -> str | None:
+    """The reconciler whose lease a base scope's epochs row names: the id of its layout
+    (``<id>/shards=N``), or, unless ``sharded``, the lease itself (led unsharded)."""
+    parsed = parse_layout(base_lease)
+    if parsed is not None:
+        return parsed[0]
+    return None if sharded or not isinstance(base_lease, str) else base_lease
+
+
+def _describe(base_lease: str) -> str:
+    """``sharded as '<id>/shards=N'``, or ``unsharded`` for a base scope's lease."""
+    return "unsharded" if parse_layout(base_lease) is None else f"sharded as {base_lease!r}"
+
+
+# The lease a shard scope's epochs row names: ``<id>-shard-<k>``, maybe qualified by a layout.
+_SHARD_SCOPE_LEASE = re.compile(r"(?s).+-(shard|member)-[0-9]+(@shards=.*)?")
 
 
 def _reshard_hint(base_scope: str, assignment: ShardAssignment) -> str:
@@ -1119,7 +1201,7 @@ def _reshard_hint(base_scope: str, assignment: ShardAssignment) -> str:
     return (
         f"To change the layout, once no replica of the old layout runs, run `kopf-reconcile "
         f"reshard --reconciler {base_scope} --shards {assignment.shards}{flag} --leases "
-        "kubernetes|postgres` (once): it moves the entities to their new shard scopes and "
+        "kubernetes|postgres` (once): it moves the entities to their new scopes and "
         "fences the old layout; until then this replica retries and leads nothing"
     )
 

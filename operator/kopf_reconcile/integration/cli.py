@@ -28,11 +28,13 @@ reporting failures on one line.)
   led, else from the Lease), dead letters, and, given the replicas' addresses (``--endpoint``),
   the leader's queued and in-flight reconciles (from ``/healthz``).
 * ``kopf-reconcile reshard --reconciler R --shards M [--by-namespace] --leases STORE``
-  changes a sharded reconciler's layout in one PostgreSQL transaction: once no shard
-  lease of the reconciler is held in STORE (no replica of the old layout leads; it
-  refuses otherwise), every shard scope is fenced above every epoch it has seen, each
-  entity's rows move to its new shard scope, and the new layout is recorded
-  (``PostgresFencedRepository.reshard``).
+  changes a reconciler's shard layout in one PostgreSQL transaction (M = 1: unsharded;
+  an unsharded reconciler can be sharded): once no lease of the old layout is held in
+  STORE (no replica of the old layout leads; it refuses otherwise), every scope of the
+  reconciler is fenced above every epoch it has seen, each entity's rows move to its new
+  scope, and the new layout is recorded (``PostgresFencedRepository.reshard``); it names
+  the leases the new layout never uses, and the command that deletes them. ``dead-letters``,
+  ``redrive`` and ``status`` given ``--reconciler R`` include R's shards.
 
 * ``kopf-reconcile init NAME`` writes a new operator project into an empty folder
   (:mod:`kopf_reconcile.commands.init`).
@@ -81,7 +83,7 @@ from kopf_reconcile.integration.tables import format_table
 from kopf_reconcile.leader.protocol import LeaseRecord
 from kopf_reconcile.redaction import redact
 from kopf_reconcile.remote_errors import describe_error
-from kopf_reconcile.sharding import MAX_SHARDS
+from kopf_reconcile.sharding import MAX_SHARDS, of_reconciler
 
 __all__ = ["main"]
 
@@ -170,7 +172,9 @@ def _parser() -> argparse.ArgumentParser:
         "dead-letters", help="list the dead letters a leader kept in PostgreSQL"
     )
     dead.add_argument("-n", "--namespace", help="only entities of this namespace")
-    dead.add_argument("--reconciler", help="only this reconciler id (fenced scope)")
+    dead.add_argument(
+        "--reconciler", help="only this reconciler id (fenced scope), its shards' included"
+    )
     _database_options(dead, "default: $KOPF_RECONCILE_DATABASE_URL")
     dead.set_defaults(command=_dead_letters)
 
@@ -186,7 +190,9 @@ def _parser() -> argparse.ArgumentParser:
     target = redrive.add_mutually_exclusive_group(required=True)
     target.add_argument("entity", nargs="?", metavar="ENTITY", help="<namespace>/<name>")
     target.add_argument("--all", action="store_true", help="every dead letter")
-    redrive.add_argument("--reconciler", help="only this reconciler id (fenced scope)")
+    redrive.add_argument(
+        "--reconciler", help="only this reconciler id (fenced scope), its shards' included"
+    )
     _database_options(redrive, "default: $KOPF_RECONCILE_DATABASE_URL")
     redrive.set_defaults(command=_redrive)
 
@@ -211,6 +217,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a replica's metrics address (http://host:port), for queue figures; repeatable",
     )
+    status.add_argument(
+        "--reconciler", help="only this reconciler id, with its shard and membership leases"
+    )
     _database_options(status, "dead letters, failovers and the PostgreSQL lease table")
     status.set_defaults(command=_status)
 
@@ -218,22 +227,25 @@ def _parser() -> argparse.ArgumentParser:
         "reshard",
         help="change a sharded reconciler's shard count, in one transaction",
         description=(
-            "Move a sharded reconciler's entities to a new shard layout in one PostgreSQL "
-            "transaction: check that no shard lease of the reconciler is held (stop the "
-            "replicas of the old layout first), fence every shard scope, old and new, above "
-            "every epoch it has seen (replicas of the old layout are refused from the commit "
-            "on), move each entity's state, dead letter and redrive request to its new shard "
-            "scope, and record the new layout (replicas of it lead from then on)."
+            "Move a reconciler's entities to a new shard layout in one PostgreSQL "
+            "transaction (--shards 1: unsharded): check that no lease of the old layout is "
+            "held (stop the replicas of the old layout first), fence every scope of the "
+            "reconciler above every epoch it has seen (replicas of the old layout are refused "
+            "from the commit on), move each entity's state, dead letter and redrive request "
+            "to its new scope, and record the new layout (replicas of it lead from then on)."
         ),
     )
     reshard.add_argument(
         "--reconciler",
         required=True,
-        help="the base fenced scope of the sharded reconciler: its reconciler id, unless its "
+        help="the base fenced scope of the reconciler: its reconciler id, unless its "
         "repository was built with an explicit scope (then that scope)",
     )
     reshard.add_argument(
-        "--shards", required=True, type=int, help=f"the new shard count (from 2 to {MAX_SHARDS})"
+        "--shards",
+        required=True,
+        type=int,
+        help=f"the new shard count (from 1 to {MAX_SHARDS}; 1: unsharded again)",
     )
     reshard.add_argument(
         "--by-namespace", action="store_true", help="assign shards by namespace (as the replicas)"
@@ -813,6 +825,8 @@ async def _show_status(args: argparse.Namespace, config: Settings) -> int:
         except Exception as exc:
             print(f"PostgreSQL: cannot read it: {redact(describe_error(exc))}", file=sys.stderr)
             status = EXIT_FAILURE
+    if args.reconciler is not None:
+        records = [r for r in records if of_reconciler(r.reconciler_id, args.reconciler)]
     queues = await _leader_queues(args.endpoints)
     now = datetime.datetime.now(datetime.UTC)
     rows = []
@@ -902,7 +916,7 @@ def _reshard(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(_run_reshard(url, args, leases, config))
     except ConfigError:
-        raise  # a refusal (never sharded, same layout, no tables, duplicates): exit status 2
+        raise  # a refusal (never led, a shard's scope, same layout, no tables, ...): status 2
     except Exception as exc:
         print(
             f"kopf-reconcile reshard: nothing changed at {redact_dsn(url)}: "
@@ -916,7 +930,9 @@ def _reshard(args: argparse.Namespace) -> int:
             f"fence epoch {report.fence_epoch}"
         )
     )
-    for k, count in report.entities.items():
+    if report.new_shards == 1:
+        print(f"  unsharded: {report.entities[0]} entities ({report.moved[0]} moved in)")
+    for k, count in report.entities.items() if report.new_shards > 1 else ():
         print(f"  shard {k}: {count} entities ({report.moved[k]} moved in)")
     print(
         f"dead letters moved: {report.dead_letters_moved}; redrive requests moved: "
@@ -927,20 +943,51 @@ def _reshard(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    kind = "shard lease" if report.old_shards > 1 else "lease"
     print(
-        f"no shard lease of {report.reconciler_id} was held ({leases.value} leases); every "
-        f"shard scope now records epoch {report.fence_epoch}: writes of replicas of the old "
-        "layout are refused, and they lead no shard again"
+        f"no {kind} of {report.reconciler_id} was held ({leases.value} leases); its scopes "
+        f"now record epoch {report.fence_epoch}: writes of replicas of the old layout are "
+        "refused, and they lead nothing again"
     )
-    if report.old_shards > report.new_shards:
-        gone = range(report.new_shards, report.old_shards)
-        unused = ", ".join(f"{report.reconciler_id}-shard-{k}" for k in gone)
-        print(
-            escape_terminal(
-                f"leases no longer used: {unused}; delete them (`kopf-reconcile leases` lists them)"
-            )
-        )
+    retired = retired_leases(report.reconciler_id, report.old_shards, report.new_shards)
+    if retired:
+        print(escape_terminal(_retired_leases_advice(retired, leases, args, config)))
     return 0
+
+
+def retired_leases(reconciler_id: str, old_shards: int, new_shards: int) -> list[str]:
+    """The leases a layout change leaves unused: the shard and membership leases of shards
+    ``>= new_shards`` (all of them when unsharded again), or the reconciler's own lease when
+    it becomes sharded."""
+    if old_shards == 1:
+        return [reconciler_id]
+    gone = range(new_shards if new_shards > 1 else 0, old_shards)
+    return [f"{reconciler_id}-{kind}-{k}" for kind in ("shard", "member") for k in gone]
+
+
+def _retired_leases_advice(
+    retired: Sequence[str], leases: LeaderKind, args: argparse.Namespace, config: Settings
+) -> str:
+    """Which leases the new layout never uses, and the command that deletes them.
+
+    Deleting them is safe once no replica of the old layout runs (the command checked it):
+    each one's epochs are fenced in the store, and a lease made again later starts above
+    them (its epoch floor).
+    """
+    names = " ".join(retired)
+    if leases is LeaderKind.KUBERNETES:
+        namespace = args.namespace or config.pod_namespace
+        where = f" -n {namespace}" if namespace else ""
+        how = f"kubectl delete lease{where} {names}"
+    else:
+        quoted = ", ".join(f"'{name}'" for name in retired)
+        from kopf_reconcile.leader.postgres import DEFAULT_LEASE_TABLE
+
+        how = f"DELETE FROM {DEFAULT_LEASE_TABLE} WHERE reconciler_id IN ({quoted})"
+    return (
+        f"leases the new layout never uses: {', '.join(retired)}; once no replica of the old "
+        f"layout runs, delete them: {how}"
+    )
 
 
 def _reshard_lease_store(args: argparse.Namespace, config: Settings) -> LeaderKind:
@@ -984,7 +1031,7 @@ async def _run_reshard(
     # measured here, as client-go's elector decides when it may take one.
     first_seen: dict[str, tuple[tuple[str, int, Any], float]] = {}
 
-    async def no_shard_lease_held(reconciler_id: str) -> None:
+    async def no_shard_lease_held(reconciler_id: str, old_leases: tuple[str, ...]) -> None:
         # Runs while the reshard holds the base and shard scopes' rows: no shard epoch can
         # be recorded until it commits, and then only under the new layout. So a replica
         # of the old layout that leads no shard now never leads one again. One that leads
@@ -997,12 +1044,16 @@ async def _run_reshard(
             where = f" in namespace {namespace}" if namespace else " in the context's namespace"
         else:
             records = await _postgres_leases(url)
-        mine = [e for e in shard_leases.group(records) if e.reconciler_id == reconciler_id]
-        if not mine:  # a sharded reconciler that led leaves its lease records: look elsewhere
+        # The old layout's leases: its shard leases, or the reconciler's own when unsharded.
+        wanted = set(old_leases)
+        mine = shard_leases.ordered(r for r in records if r.reconciler_id in wanted)
+        kind = "shard lease" if old_leases != (reconciler_id,) else "lease"
+        if not mine:  # a reconciler that led leaves its lease records: look elsewhere
+            led = "sharded" if kind == "shard lease" else "unsharded"
             raise ConfigError(
                 escape_terminal(
-                    f"reshard: no shard lease of {reconciler_id} among the {leases.value} "
-                    f"leases{where}, though its scope was led sharded: the replicas' leases "
+                    f"reshard: no {kind} of {reconciler_id} among the {leases.value} "
+                    f"leases{where}, though its scope was led {led}: the replicas' leases "
                     "are elsewhere, so whether one still leads cannot be checked; name their "
                     "store (--leases kubernetes -n NAMESPACE, or --leases postgres); "
                     "nothing changed"
@@ -1011,24 +1062,23 @@ async def _run_reshard(
         now = time.monotonic()
         held: list[LeaseRecord] = []
         watch = 0.0
-        for entry in mine:
-            for _, record in sorted(entry.shards.items()):
-                if not record.holder_id:
-                    continue  # released
-                renewal = (record.holder_id, record.epoch, record.renewed_at)
-                duration = _lease_duration(record)
-                seen = first_seen.setdefault(record.reconciler_id, (renewal, now))
-                if duration is None or seen[0] != renewal:
-                    held.append(record)  # renewed (or taken) while watched, or unknowable
-                elif now - seen[1] < duration * WATCH_MARGIN:
-                    watch = max(watch, duration * WATCH_MARGIN - (now - seen[1]))
+        for record in mine:
+            if not record.holder_id:
+                continue  # released
+            renewal = (record.holder_id, record.epoch, record.renewed_at)
+            duration = _lease_duration(record)
+            seen = first_seen.setdefault(record.reconciler_id, (renewal, now))
+            if duration is None or seen[0] != renewal:
+                held.append(record)  # renewed (or taken) while watched, or unknowable
+            elif now - seen[1] < duration * WATCH_MARGIN:
+                watch = max(watch, duration * WATCH_MARGIN - (now - seen[1]))
         if held:
             which = ", ".join(
                 f"{r.reconciler_id} by {r.holder_id} until {_when(r.expires_at)}" for r in held
             )
             raise ConfigError(
                 escape_terminal(
-                    f"reshard: {len(held)} shard lease(s) of {reconciler_id} are held "
+                    f"reshard: {len(held)} {kind}(s) of {reconciler_id} are held "
                     f"({leases.value} leases): {which}. A replica of the old layout may "
                     "still lead them, and would go on reconciling their entities beside the "
                     "new layout's holders: stop the old layout's replicas, then run the "

@@ -155,8 +155,15 @@ class RealCluster:
         apiserver: Path | None = None,
         etcd: Path | None = None,
         ready_timeout: float = 90.0,
+        feature_flags: list[str] | None = None,
     ) -> None:
+        """``feature_flags`` replace the tests' ``--feature-gates`` and ``--runtime-config``
+        (:func:`~kopf_reconcile.testing.kube_release.apiserver_feature_flags`): ``[]`` runs
+        the server with its defaults, as a cluster without the alpha gates is."""
         self.apiserver_path = apiserver or apiserver_binary()
+        self.feature_flags = (
+            apiserver_feature_flags(KUBE_VERSION) if feature_flags is None else feature_flags
+        )
         self.etcd_path = etcd or etcd_binary()
         self.ready_timeout = ready_timeout
         self.admin_token = secrets.token_hex(16)
@@ -277,7 +284,7 @@ class RealCluster:
                 "--authorization-mode=RBAC",
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--endpoint-reconciler-type=none",
-                *apiserver_feature_flags(KUBE_VERSION),
+                *self.feature_flags,
             ],
         )
         await self._wait_until_ready(apiserver)

@@ -53,7 +53,10 @@ class EmbeddedCluster:
         bookmark_interval: float = DEFAULT_BOOKMARK_INTERVAL,
         watch_timeout: float = DEFAULT_WATCH_TIMEOUT,
         namespace_termination_delay: float = DEFAULT_NAMESPACE_TERMINATION_DELAY,
+        sharded_list_and_watch: bool = True,
     ) -> None:
+        """``sharded_list_and_watch``: serve KEP-5866's ``shardSelector`` (the feature gate
+        the real tier turns on); off, the parameter is ignored, as by a server without it."""
         self._port = port
         self.store = Store(history_size=history_size, watch_queue_size=watch_queue_size)
         self.registry = ResourceRegistry()
@@ -65,7 +68,11 @@ class EmbeddedCluster:
         )
         self.faults = FaultInjector()
         self.server = ApiServer(
-            self.api, self.faults, bookmark_interval=bookmark_interval, watch_timeout=watch_timeout
+            self.api,
+            self.faults,
+            bookmark_interval=bookmark_interval,
+            watch_timeout=watch_timeout,
+            sharded_list_and_watch=sharded_list_and_watch,
         )
         self._runner: web.AppRunner | None = None
         self._tempdir: tempfile.TemporaryDirectory[str] | None = None

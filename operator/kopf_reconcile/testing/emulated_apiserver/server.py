@@ -9,7 +9,8 @@ subresource; a group it does not serve is no API path at all: a plain-text 404);
 parameters are those clients send (``watch``, ``resourceVersion``,
 ``resourceVersionMatch``, ``labelSelector``, ``fieldSelector``, ``limit``, ``continue``,
 ``timeoutSeconds``, ``allowWatchBookmarks``, ``dryRun``, ``fieldValidation``,
-``fieldManager``, ``force``). Watches stream newline-delimited JSON events.
+``fieldManager``, ``force``, and ``shardSelector`` of sharded list and watch, see
+:mod:`.shard_selectors`). Watches stream newline-delimited JSON events.
 
 Reads at a ``resourceVersion`` behave as kube-apiserver v1.37's: a list or get at a version
 the store has not reached waits up to 3 s for it, then answers 504 (clients retry); an exact
@@ -38,6 +39,7 @@ from kopf_reconcile.testing.emulated_apiserver import (
     patching,
     request_options,
     selecting,
+    shard_selectors,
     tables,
 )
 from kopf_reconcile.testing.emulated_apiserver.admin import ADMIN_PREFIX, AdminApi
@@ -90,9 +92,12 @@ class ApiServer:
         *,
         bookmark_interval: float,
         watch_timeout: float,
+        sharded_list_and_watch: bool = True,
     ) -> None:
         self.api = api
         self.faults = faults
+        # The ShardedListAndWatch feature gate (KEP-5866): off, shardSelector is ignored.
+        self.sharded_list_and_watch = sharded_list_and_watch
         self.watches = WatchStreams(
             api.store,
             bookmark_interval=bookmark_interval,
@@ -331,9 +336,18 @@ class ApiServer:
             request.query.get("fieldSelector", ""), resource.kind, resource.custom
         )
         checks = [check for check in (label, fields) if check is not None]
+        shard = self._shard_selector(request)
+        if shard is not None:
+            checks.append(shard.matches)
         if namespace is not None:
             checks.insert(0, lambda obj: obj["metadata"].get("namespace") == namespace)
         return lambda obj: all(check(obj) for check in checks)
+
+    def _shard_selector(self, request: web.Request) -> shard_selectors.ShardSelector | None:
+        """The request's shard selector (KEP-5866); None without one or with the gate off."""
+        if not self.sharded_list_and_watch:
+            return None
+        return shard_selectors.parse_shard_selector(request.query.get("shardSelector", ""))
 
     async def _wait_for(self, revision: int) -> None:
         """Wait until the store has reached ``revision`` (0: any), or answer 504."""
@@ -373,6 +387,11 @@ class ApiServer:
             )
             metadata["remainingItemCount"] = len(items) - limit
             items = items[:limit]
+        shard = self._shard_selector(request)
+        if shard is not None and not resource.custom:
+            # A filtered subset: the selector is echoed, in canonical form. Not for custom
+            # resources: v1.37 filters them too, but their lists (unstructured) cannot carry it.
+            metadata["shardInfo"] = {"selector": str(shard)}
         if tables.wants_table(request.headers.get("Accept", "")):
             return json_response(
                 tables.table(resource, items, metadata, request.query.get("includeObject"))
