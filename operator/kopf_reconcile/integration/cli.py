@@ -73,7 +73,7 @@ from kopf_reconcile.integration import settings as process_settings
 from kopf_reconcile.integration.settings import LeaderKind, Settings
 from kopf_reconcile.integration.tables import format_table
 from kopf_reconcile.leader.protocol import LeaseRecord
-from kopf_reconcile.redaction import redact
+from kopf_reconcile.redaction import dsn_secrets, redact
 from kopf_reconcile.remote_errors import describe_error
 from kopf_reconcile.sharding import MAX_SHARDS
 
@@ -292,7 +292,7 @@ def _database_url_argument(args: argparse.Namespace) -> str | None:
             raise ConfigError(f"--database-url-file {args.database_url_file!r} is empty")
         return from_file
     url: str | None = args.database_url
-    if url is not None and redact(url) != url:
+    if url is not None and dsn_secrets(url):
         print(
             "kopf-reconcile: warning: the password in --database-url is visible to every user "
             "of this machine in the process list; set KOPF_RECONCILE_DATABASE_URL or use "

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from kopf_reconcile.api import ConfigError
-from kopf_reconcile.database import is_postgres_url, redact_dsn
+from kopf_reconcile.database import is_postgres_url
 from kopf_reconcile.leader.identity import unique_holder_id
 from kopf_reconcile.leader.protocol import MIN_LEASE_TTL, LeaseTTL
 from kopf_reconcile.leader.timing import (
@@ -57,6 +57,7 @@ from kopf_reconcile.leader.timing import (
     MAX_LEASE_TTL,
     LeaseTiming,
 )
+from kopf_reconcile.redaction import redact_dsn, remember_dsn
 
 if TYPE_CHECKING:
     from kopf_reconcile.fencing.protocol import FencedRepository
@@ -354,6 +355,7 @@ def _database_url(source: str, value: object) -> str:
             f"{source} must be a PostgreSQL URL (postgresql://user:password@host:5432/database), "
             f"got {shown!r}"
         )
+    remember_dsn(value)
     return value
 
 
