@@ -115,9 +115,9 @@ def url_forms(password: str) -> list[str]:
     ]
 
 
-def logged(message: str, argument: object, **extra: object) -> str:
+def logged(message: str, *args: object, **extra: object) -> str:
     """One record as the operator's log handler writes it, through the redaction filter."""
-    record = logging.LogRecord("test", logging.WARNING, __file__, 1, message, (argument,), None)
+    record = logging.LogRecord("test", logging.WARNING, __file__, 1, message, args, None)
     record.__dict__.update(extra)
     logs.RedactingFilter().filter(record)
     return logs.TextFormatter().format(record)
@@ -141,7 +141,7 @@ def outputs(dsn: str) -> str:
     try:
         raise RuntimeError(f"cannot connect to {dsn!r}")
     except RuntimeError:
-        shown.append(logged("failed", None, exc_info=sys.exc_info()))
+        shown.append(logged("failed", exc_info=sys.exc_info()))
     with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(err):
         cli.main(["migrate", f"--database-url={dsn}"])
         cli.main(["dead-letters", f"--database-url={dsn}"])
