@@ -450,11 +450,15 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
     ready = asyncio.Event()
     stop = asyncio.Event()
     host, port = config.metrics_host, config.metrics_port
-    from kopf_reconcile.integration.watch_probe import WatchProbe, targets
+    from kopf_reconcile.integration.watch_probe import WatchProbe, namespace_patterns, targets
 
     # Ready also means every watch kopf keeps is allowed and answering (a forbidden watch
     # leaves the operator idle while kopf's own startup flag says it is done).
-    probe = WatchProbe(targets(kopf_shim.watched_resources(), args.namespaces, args.clusterwide))
+    resources = kopf_shim.watched_resources()
+    probe = WatchProbe(
+        targets(resources, args.namespaces, args.clusterwide),
+        patterns=namespace_patterns(resources, args.namespaces, kopf_shim.match_namespace),
+    )
     endpoints = Endpoints(
         host,
         port,

@@ -905,6 +905,13 @@ def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:
     return resources
 
 
+def match_namespace(name: str, pattern: str) -> bool:
+    """Whether kopf watches namespace ``name`` for ``pattern`` (globs, ``!`` negations)."""
+    from kopf._cogs.structs import references
+
+    return bool(references.match_namespace(references.NamespaceName(name), pattern))
+
+
 def status(registry: Any = None) -> dict[str, dict[str, object]]:
     """Per reconciler id: running, leader, epoch and queue figures (for probes and /healthz)."""
     real_registry = kopf.get_default_registry() if registry is None else registry
