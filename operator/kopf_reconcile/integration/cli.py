@@ -450,22 +450,27 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
     ready = asyncio.Event()
     stop = asyncio.Event()
     host, port = config.metrics_host, config.metrics_port
+    from kopf_reconcile.integration.probing import first_problem
     from kopf_reconcile.integration.watch_probe import WatchProbe, namespace_patterns, targets
 
     # Ready also means every watch kopf keeps is allowed and answering (a forbidden watch
-    # leaves the operator idle while kopf's own startup flag says it is done).
+    # leaves the operator idle while kopf's own startup flag says it is done), and the
+    # database a leader needs answers.
     resources = kopf_shim.watched_resources()
-    probe = WatchProbe(
-        targets(resources, args.namespaces, args.clusterwide),
-        patterns=namespace_patterns(resources, args.namespaces, kopf_shim.match_namespace),
-    )
+    probes = [
+        WatchProbe(
+            targets(resources, args.namespaces, args.clusterwide),
+            patterns=namespace_patterns(resources, args.namespaces, kopf_shim.match_namespace),
+        ),
+        *config.store_probes(),
+    ]
     endpoints = Endpoints(
         host,
         port,
         ready=ready.is_set,
         report=kopf_shim.status,
         stopping=stop.is_set,
-        problem=probe.problem,
+        problem=first_problem(*probes),
     )
     try:
         url = await endpoints.start()
@@ -492,7 +497,8 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
 
     taking_over = asyncio.create_task(signals_once_started())
     try:
-        await probe.start()
+        for probe in probes:
+            await probe.start()
         await kopf.operator(
             namespaces=args.namespaces,
             clusterwide=args.clusterwide,
@@ -505,7 +511,8 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
         )
     finally:
         taking_over.cancel()
-        await probe.stop()
+        for probe in probes:
+            await probe.stop()
         await endpoints.stop()
     return 0
 

@@ -61,6 +61,7 @@ from kopf_reconcile.redaction import redact_dsn, remember_dsn
 
 if TYPE_CHECKING:
     from kopf_reconcile.fencing.protocol import FencedRepository
+    from kopf_reconcile.integration.probing import StoreProbe
     from kopf_reconcile.leader.protocol import LeaderElector
 
 __all__ = ["ENVIRONMENT", "LeaderKind", "LogFormat", "Settings", "current", "install"]
@@ -264,6 +265,14 @@ class Settings:
         from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 
         return PostgresFencedRepository(self.database_url)
+
+    def store_probes(self) -> list[StoreProbe]:
+        """Readiness checks of the database a replica needs to lead or write, if any."""
+        if self.database_url is None or not self.fenced:
+            return []
+        from kopf_reconcile.integration.probing import StoreProbe
+
+        return [StoreProbe(self.database_url, "KOPF_RECONCILE_DATABASE_URL")]
 
     def describe(self) -> str:
         """One line for the startup log; the database password is redacted."""

@@ -21,15 +21,12 @@ round: the resources are checked in each existing namespace it matches
 (:class:`NamespacePatterns`, given kopf's own matcher by the CLI).
 
 :meth:`WatchProbe.problem` is ``None`` while every target's last check passed,
-else a one-line reason (for ``/readyz`` and the log). A probe that has not yet
-finished its first round reports that too.
+else a one-line reason; a forbidden watch is the verdict at once, other failures
+count after a few rounds (:mod:`kopf_reconcile.integration.probing`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,17 +38,10 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
 
+from kopf_reconcile.integration.probing import DEFAULT_INTERVAL, REQUEST_TIMEOUT, PeriodicProbe
+
 __all__ = ["NamespacePatterns", "WatchProbe", "WatchTarget", "namespace_patterns", "targets"]
 
-logger = logging.getLogger("kopf_reconcile.watch_probe")
-
-#: Seconds between two rounds of checks, and the time one request may take.
-DEFAULT_INTERVAL = 10.0
-REQUEST_TIMEOUT = 10.0
-#: A ready replica turns not ready after this many failed rounds in a row (a refusal: one),
-#: checking again after RECHECK seconds in between.
-TRANSIENT_ROUNDS = 3
-RECHECK = 1.0
 FORBIDDEN = "is forbidden (403)"
 
 
@@ -152,8 +142,10 @@ async def default_api_client() -> ApiClient:
     return ApiClient(configuration)
 
 
-class WatchProbe:
+class WatchProbe(PeriodicProbe):
     """Checks every target every ``interval`` seconds; ``problem()`` tells the last outcome."""
+
+    subject = "the watches"
 
     def __init__(
         self,
@@ -163,33 +155,25 @@ class WatchProbe:
         api: ApiClient | None = None,
         patterns: NamespacePatterns | None = None,
     ) -> None:
+        super().__init__(interval=interval)
         self._targets = list(watch_targets)
         self._patterns = patterns
-        self._interval = interval
         self._api = api
         self._owns_api = api is None
-        self._problem: str | None = "the watches have not been checked yet"
-        self._task: asyncio.Task[None] | None = None
-        self.rounds = 0
-
-    def problem(self) -> str | None:
-        """``None`` when every watch was allowed and answered in the last round."""
-        return self._problem
 
     async def start(self) -> None:
         if self._api is None:
             self._api = await default_api_client()
-        self._task = asyncio.create_task(self._run(), name="kopf-reconcile watch probe")
+        await super().start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await super().stop()
         if self._owns_api and self._api is not None:
             await self._api.close()
             self._api = None
+
+    def is_refusal(self, problem: str) -> bool:
+        return FORBIDDEN in problem
 
     async def check_once(self) -> str | None:
         """One round: the first failure's reason, or ``None``."""
@@ -205,31 +189,6 @@ class WatchProbe:
             if failure is not None:
                 return f"the watch of {target} {failure}"
         return None
-
-    async def _run(self) -> None:
-        failed_rounds = 0
-        while True:
-            try:
-                problem = await self.check_once()
-            except Exception as exc:  # the probe must outlive any one failure
-                problem = f"the watches cannot be checked: {exc.__class__.__name__}: {exc}"
-            self.rounds += 1
-            failed_rounds = 0 if problem is None else failed_rounds + 1
-            # A refusal is the verdict at once; one slow or failed request of a replica that
-            # was ready is checked again soon before it counts (a busy API server is no
-            # reason to leave the Services).
-            transient = problem is not None and FORBIDDEN not in problem
-            if transient and self._problem is None and failed_rounds < TRANSIENT_ROUNDS:
-                logger.debug("a watch check failed, checking again: %s", problem)
-                await asyncio.sleep(min(self._interval, RECHECK))
-                continue
-            if problem != self._problem:
-                if problem is None:
-                    logger.info("every watch is allowed and answering: ready")
-                else:
-                    logger.warning("not ready: %s", problem)
-            self._problem = problem
-            await asyncio.sleep(self._interval)
 
     async def _check(self, target: WatchTarget) -> str | None:
         listed = await self._get(target.path, [("limit", "1")])
