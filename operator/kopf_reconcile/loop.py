@@ -137,6 +137,7 @@ class Loop:
         """
         self._config = config
         self._may_acquire = may_acquire
+        self._aside_until = 0.0  # on the event loop's clock: no acquire attempt before it
         self._name, self._reconciler_id = config.names()
         _, self._reconcile = as_reconcile_fn(config.reconciler)
         self._started = False
@@ -261,7 +262,7 @@ class Loop:
                 on_lead=self._on_lead,
                 on_lose=self._on_lose,
                 confirm=self._confirm_epoch if self._recorder is not None else None,
-                may_acquire=self._may_acquire,
+                may_acquire=self._may_try_to_lead,
             )
             self._holder.start()
         logger.info(
@@ -751,6 +752,25 @@ class Loop:
                 self._dispatch()
             return
         holder.step_down_soon("handing the lease off to another replica")
+
+    def stand_aside(self, reason: str, seconds: float) -> None:
+        """Lead no more for ``seconds``: step down now when leading, try no acquire until then.
+
+        The step-down is the ordinary one: nothing passes the local lease check from
+        now on, the reconciles in flight are cancelled, and the lease is released once
+        they ended (or lapses). A Loop without an elector always leads: nothing happens.
+        """
+        holder = self._holder
+        if holder is None or self._stopping:
+            return
+        self._aside_until = asyncio.get_running_loop().time() + seconds
+        if holder.leading:
+            holder.step_down_soon(reason)
+
+    def _may_try_to_lead(self) -> bool:
+        if asyncio.get_running_loop().time() < self._aside_until:
+            return False
+        return self._may_acquire is None or self._may_acquire()
 
     def __repr__(self) -> str:
         s = self.stats()

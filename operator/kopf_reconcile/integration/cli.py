@@ -457,13 +457,12 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
     # leaves the operator idle while kopf's own startup flag says it is done), and the
     # database a leader needs answers.
     resources = kopf_shim.watched_resources()
-    probes = [
-        WatchProbe(
-            targets(resources, args.namespaces, args.clusterwide),
-            patterns=namespace_patterns(resources, args.namespaces, kopf_shim.match_namespace),
-        ),
-        *config.store_probes(),
-    ]
+    watch_probe = WatchProbe(
+        targets(resources, args.namespaces, args.clusterwide),
+        patterns=namespace_patterns(resources, args.namespaces, kopf_shim.match_namespace),
+    )
+    probes = [watch_probe, *config.store_probes()]
+    guard = config.broken_watch_guard(watch_probe.problem, kopf_shim.running_loops)
     endpoints = Endpoints(
         host,
         port,
@@ -496,9 +495,11 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
         _take_over_signals(stop)
 
     taking_over = asyncio.create_task(signals_once_started())
+    guarding: asyncio.Task[None] | None = None
     try:
         for probe in probes:
             await probe.start()
+        guarding = asyncio.create_task(guard.run(), name="kopf-reconcile broken watch guard")
         await kopf.operator(
             namespaces=args.namespaces,
             clusterwide=args.clusterwide,
@@ -511,6 +512,8 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
         )
     finally:
         taking_over.cancel()
+        if guarding is not None:
+            guarding.cancel()
         for probe in probes:
             await probe.stop()
         await endpoints.stop()

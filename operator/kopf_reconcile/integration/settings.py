@@ -43,7 +43,7 @@ import math
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -62,6 +62,7 @@ from kopf_reconcile.redaction import redact_dsn, remember_dsn
 if TYPE_CHECKING:
     from kopf_reconcile.fencing.protocol import FencedRepository
     from kopf_reconcile.integration.probing import StoreProbe
+    from kopf_reconcile.integration.watch_guard import BrokenWatchGuard, Candidate
     from kopf_reconcile.leader.protocol import LeaderElector
 
 __all__ = ["ENVIRONMENT", "LeaderKind", "LogFormat", "Settings", "current", "install"]
@@ -273,6 +274,16 @@ class Settings:
         from kopf_reconcile.integration.probing import StoreProbe
 
         return [StoreProbe(self.database_url, "KOPF_RECONCILE_DATABASE_URL")]
+
+    def broken_watch_guard(
+        self, problem: Callable[[], str | None], candidates: Callable[[], Iterable[Candidate]]
+    ) -> BrokenWatchGuard:
+        """Stands this replica's Loops aside once its watch stayed broken for one lease TTL
+        (for a TTL plus a renew interval: time for a healthy candidate to take the lease)."""
+        from kopf_reconcile.integration.watch_guard import BrokenWatchGuard
+
+        ttl = self.lease_ttl.seconds
+        return BrokenWatchGuard(problem, candidates, bound=ttl, hold_off=ttl + self.renew_interval)
 
     def describe(self) -> str:
         """One line for the startup log; the database password is redacted."""
