@@ -70,7 +70,8 @@ from kopf_reconcile.api import ConfigError
 from kopf_reconcile.database import redact_dsn
 from kopf_reconcile.integration import logs, shard_leases
 from kopf_reconcile.integration import settings as process_settings
-from kopf_reconcile.integration.settings import LeaderKind, Settings
+from kopf_reconcile.integration.metrics_auth import server_tls
+from kopf_reconcile.integration.settings import LeaderKind, MetricsAuth, Settings
 from kopf_reconcile.integration.tables import format_table
 from kopf_reconcile.leader.protocol import LeaseRecord
 from kopf_reconcile.redaction import dsn_secrets, redact
@@ -341,6 +342,7 @@ def _run(args: argparse.Namespace) -> int:
     check_reconciler_ids(config)  # an ambiguous lease name stops it before anything runs
     asyncio.run(_check_lease_namespace(config))
     asyncio.run(_check_database(config))
+    server_tls(config.metrics_tls_cert, config.metrics_tls_key)  # bad files stop it here
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(_serve(args, config))
@@ -450,6 +452,7 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
     ready = asyncio.Event()
     stop = asyncio.Event()
     host, port = config.metrics_host, config.metrics_port
+    from kopf_reconcile.integration.metrics_auth import KubernetesAuthorizer
     from kopf_reconcile.integration.probing import first_problem
     from kopf_reconcile.integration.watch_probe import WatchProbe, namespace_patterns, targets
 
@@ -463,6 +466,7 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
     )
     probes = [watch_probe, *config.store_probes()]
     guard = config.broken_watch_guard(watch_probe.problem, kopf_shim.running_loops)
+    authorizer = KubernetesAuthorizer() if config.metrics_auth is MetricsAuth.KUBERNETES else None
     endpoints = Endpoints(
         host,
         port,
@@ -470,6 +474,8 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
         report=kopf_shim.status,
         stopping=stop.is_set,
         problem=first_problem(*probes),
+        authorizer=authorizer,
+        ssl_context=server_tls(config.metrics_tls_cert, config.metrics_tls_key),
     )
     try:
         url = await endpoints.start()
@@ -517,6 +523,8 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
         for probe in probes:
             await probe.stop()
         await endpoints.stop()
+        if authorizer is not None:
+            await authorizer.close()
     return 0
 
 

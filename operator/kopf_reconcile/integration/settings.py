@@ -93,6 +93,13 @@ class LeaderKind(enum.Enum):
     NONE = "none"
 
 
+class MetricsAuth(enum.Enum):
+    """Who may read ``/metrics``: anyone, or whom the Kubernetes API allows."""
+
+    NONE = "none"
+    KUBERNETES = "kubernetes"  # TokenReview + SubjectAccessReview (see metrics_auth)
+
+
 class LogFormat(enum.Enum):
     """How log records are written: one JSON object per line, or plain text."""
 
@@ -120,6 +127,9 @@ ENVIRONMENT: tuple[_Variable, ...] = (
     _Variable("metrics_port", "KOPF_RECONCILE_METRICS_PORT", "port of /metrics and health"),
     _Variable("log_format", "KOPF_RECONCILE_LOG_FORMAT", "text | json"),
     _Variable("log_level", "KOPF_RECONCILE_LOG_LEVEL", "DEBUG | INFO | WARNING | ERROR"),
+    _Variable("metrics_auth", "KOPF_RECONCILE_METRICS_AUTH", "kubernetes | none"),
+    _Variable("metrics_tls_cert", "KOPF_RECONCILE_METRICS_TLS_CERT", "PEM certificate of /metrics"),
+    _Variable("metrics_tls_key", "KOPF_RECONCILE_METRICS_TLS_KEY", "PEM key of that certificate"),
 )
 
 
@@ -140,6 +150,9 @@ class Settings:
     log_level: str = "INFO"
     in_cluster: bool = False  # KUBERNETES_SERVICE_HOST is set: this process runs in a pod
     metrics_host_given: bool = False  # False: the default of where this process runs
+    metrics_auth: MetricsAuth = MetricsAuth.NONE
+    metrics_tls_cert: str | None = None
+    metrics_tls_key: str | None = None
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **arguments: Any) -> Settings:
@@ -184,6 +197,9 @@ class Settings:
             log_level=parsed("log_level", _log_level, "INFO"),
             in_cluster=in_cluster,
             metrics_host_given=raw("metrics_host")[1] is not None,
+            metrics_auth=parsed("metrics_auth", _enum(MetricsAuth), MetricsAuth.NONE),
+            metrics_tls_cert=parsed("metrics_tls_cert", _text, None),
+            metrics_tls_key=parsed("metrics_tls_key", _text, None),
         )
         settings._check_consistency(raw)
         return settings
@@ -201,6 +217,10 @@ class Settings:
                 f"{ttl_source} must be a whole number of seconds with Kubernetes Leases "
                 f"(spec.leaseDurationSeconds), got {self.lease_ttl.seconds:g}"
             )
+        if (self.metrics_tls_cert is None) != (self.metrics_tls_key is None):
+            cert_source, _ = raw("metrics_tls_cert")
+            key_source, _ = raw("metrics_tls_key")
+            raise ConfigError(f"{cert_source} and {key_source} go together: set both or neither")
         if self.leader is LeaderKind.POSTGRES and self.database_url is None:
             leader_source, _ = raw("leader")
             url_source, _ = raw("database_url")
