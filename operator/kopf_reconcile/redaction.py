@@ -133,6 +133,11 @@ def _url_secrets(dsn: str) -> list[str]:
         _, _, password = auth.partition(":")
         if password:
             secrets.append(unquote(password))
+        # An unencoded '@' in the password: asyncpg takes the part before it, the rest of
+        # the password meant runs to the netloc's last '@'.
+        meant = parsed.netloc.rpartition("@")[0].partition(":")[2]
+        if meant != password:
+            secrets += [meant, unquote(meant)]
     if parsed.query:
         for piece in parsed.query.split("&"):
             name, _, value = piece.partition("=")
@@ -155,7 +160,7 @@ def _redact_url(dsn: str) -> str:
         # An unencoded '/', '?' or '#' in the password ends the netloc early: asyncpg
         # takes no password, and the one meant runs on into the path, query or fragment.
         return f"{scheme}://{REDACTED}"
-    auth, at, hosts = parsed.netloc.partition("@")
+    auth, at, hosts = parsed.netloc.rpartition("@")  # '@' in a password: all of it hidden
     if at:
         user, _, password = auth.partition(":")
         auth = f"{user}:{REDACTED}" if password else auth

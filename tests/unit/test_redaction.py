@@ -59,6 +59,8 @@ HOST = "127.0.0.1:1"
             "kv-s3cret",
             "host=127.0.0.1 options=***",
         ),
+        # An unencoded '@': asyncpg takes "p" as the password, "ss@host" as the host.
+        (f"postgresql://app:p@ss@{HOST}/app", "p@ss", f"postgresql://app:***@{HOST}/app"),
         # An unencoded '/' ends asyncpg's netloc: nothing after the scheme is shown.
         (f"postgresql://app:pa/ss@{HOST}/app", "pa/ss", "postgresql://***"),
     ],
@@ -167,6 +169,17 @@ def test_the_password_asyncpg_parses_is_the_one_hidden_everywhere(password: str)
         assert password in asyncpg_secrets(form)
         assert password in dsn_secrets(form)
         assert password not in outputs(form), form
+
+
+def test_the_issues_example_is_hidden_by_every_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KOPF_RECONCILE_DATABASE_URL", f"postgresql://app:s3cr'etPW@{HOST}/app")
+    for command in (["dead-letters"], ["redrive", "default/x"], ["migrate"], ["leases"]):
+        cli.main(command)
+        shown = capsys.readouterr()
+        assert "s3cr'etPW" not in shown.out + shown.err, command
+        assert "etPW" not in shown.out + shown.err, command
 
 
 def test_free_text_hides_a_remembered_password_however_it_is_rendered() -> None:

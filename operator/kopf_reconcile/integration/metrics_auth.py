@@ -39,6 +39,7 @@ logger = logging.getLogger("kopf_reconcile.metrics_auth")
 
 METRICS_PATH = "/metrics"
 CACHE_SECONDS = 30.0
+CACHE_SIZE = 1024
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
 
@@ -109,7 +110,8 @@ class KubernetesAuthorizer:
             return Verdict(503, "the Kubernetes API cannot review the token now")
         for stale in [k for k, (until, _) in self._cache.items() if until <= now]:
             del self._cache[stale]
-        self._cache[key] = (now + CACHE_SECONDS, verdict)
+        if len(self._cache) < CACHE_SIZE:  # many strangers' tokens: reviewed, not kept
+            self._cache[key] = (now + CACHE_SECONDS, verdict)
         return verdict
 
     async def _review(self, token: str) -> Verdict:
