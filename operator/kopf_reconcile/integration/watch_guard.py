@@ -67,12 +67,14 @@ class BrokenWatchGuard:
             return
         self._stood_aside = True
         reason = f"the watch stayed broken for {self._bound:g}s ({problem})"
-        logger.warning(
-            "standing aside for %gs so that a replica whose watch works leads: %s",
-            self._hold_off,
-            reason,
-        )
-        for candidate in self._candidates():
+        candidates = list(self._candidates())
+        if candidates:
+            logger.warning(
+                "standing aside for %gs so that a replica whose watch works leads: %s",
+                self._hold_off,
+                reason,
+            )
+        for candidate in candidates:
             candidate.stand_aside(reason, self._hold_off)
 
     async def run(self) -> None:

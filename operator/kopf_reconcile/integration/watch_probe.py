@@ -222,7 +222,7 @@ class WatchProbe(PeriodicProbe):
             if response.status == 403:
                 return f"{FORBIDDEN}: the ServiceAccount's RBAC does not allow it"
             if response.status != 200:
-                text = (await response.text())[:200]
+                text = (await response.text())[:200].strip()
                 return f"answered {response.status}: {text}"
             if stream:
                 return {}
