@@ -7,6 +7,7 @@ import contextlib
 import io
 import logging
 import sys
+from collections.abc import Iterator
 from urllib.parse import quote, quote_plus
 
 import pytest
@@ -14,7 +15,7 @@ from asyncpg import connect_utils
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kopf_reconcile import ConfigError
+from kopf_reconcile import ConfigError, redaction
 from kopf_reconcile.database import Database
 from kopf_reconcile.integration import cli, logs
 from kopf_reconcile.integration.settings import Settings
@@ -22,6 +23,14 @@ from kopf_reconcile.redaction import REDACTED, dsn_secrets, redact, redact_dsn
 
 # Nothing listens on port 1: connecting fails at once.
 HOST = "127.0.0.1:1"
+
+
+@pytest.fixture(autouse=True)
+def forget_remembered_secrets() -> Iterator[None]:
+    """What a test remembers is hidden from its own output only, never from later tests'."""
+    before = set(redaction._remembered)
+    yield
+    redaction._remembered.intersection_update(before)
 
 
 @pytest.mark.parametrize(
@@ -129,8 +138,9 @@ def outputs(dsn: str) -> str:
     """Everything the project prints or logs about ``dsn``."""
     shown = [redact_dsn(dsn)]
     environment = {"KOPF_RECONCILE_DATABASE_URL": dsn}
-    loaded = Settings.load(environment)
+    loaded = Settings.load({**environment, "KOPF_RECONCILE_LEADER": "postgres"})
     shown += [loaded.describe(), repr(loaded), repr(loaded.build_fenced_repository())]
+    shown.append(repr(loaded.build_elector()))
     try:
         Database(dsn.replace("postgres", "mysql", 1), table="t", schema=())
     except ConfigError as exc:
