@@ -7,7 +7,8 @@
   figures) for people and tests; followers are healthy too.
 * ``/readyz``: readiness: 200 once kopf's startup has finished (every
   reconciler's Loop runs and kopf starts its watches) and while every watch
-  is allowed and answering (:mod:`kopf_reconcile.integration.watch_probe`), else 503; 503 again
+  is allowed and answering (:mod:`kopf_reconcile.integration.watch_probe`) and the
+  database a leader needs answers (:mod:`kopf_reconcile.integration.probing`), else 503; 503 again
   from the moment shutdown begins, so the pod leaves its Services while its
   Loops drain. It is not tied to leadership: a follower is ready, as a warm
   standby.
@@ -66,7 +67,7 @@ class Endpoints:
         self._port = port
         self._ready = ready
         self._stopping = stopping
-        self._problem = problem  # a reason not to be ready although started (a failing watch)
+        self._problem = problem  # why not ready although started (a failing watch, no database)
         self._report = report
         self._registry = registry
         self._authorizer = authorizer
