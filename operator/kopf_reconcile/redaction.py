@@ -157,8 +157,8 @@ def _redact_url(dsn: str) -> str:
     except ValueError:
         return f"{scheme}://{REDACTED}"
     if _stray_at(dsn, parsed.netloc):
-        # An unencoded '/', '?' or '#' in the password ends the netloc early: asyncpg
-        # takes no password, and the one meant runs on into the path, query or fragment.
+        # An unencoded '/', '?' or '#' in the password ends the netloc early: the password
+        # meant runs on into the path, query or fragment, so none of it is shown.
         return f"{scheme}://{REDACTED}"
     auth, at, hosts = parsed.netloc.rpartition("@")  # '@' in a password: all of it hidden
     if at:
@@ -173,8 +173,9 @@ def _redact_url(dsn: str) -> str:
 
 
 def _stray_at(dsn: str, netloc: str) -> bool:
-    """Whether an '@' follows the netloc although the netloc has none."""
-    return "@" not in netloc and "@" in dsn.partition("://")[2][len(netloc) :]
+    """Whether an '@' follows the netloc: a password's '/', '?' or '#' ended it early."""
+    rest = dsn.partition("://")[2]
+    return "@" in rest[rest.find(netloc) + len(netloc) :] if netloc in rest else "@" in rest
 
 
 def _redact_query_piece(piece: str) -> str:

@@ -72,6 +72,7 @@ def forget_remembered_secrets() -> Iterator[None]:
         (f"postgresql://app:p@ss@{HOST}/app", "p@ss", f"postgresql://app:***@{HOST}/app"),
         # An unencoded '/' ends asyncpg's netloc: nothing after the scheme is shown.
         (f"postgresql://app:pa/ss@{HOST}/app", "pa/ss", "postgresql://***"),
+        (f"postgresql://app:p@ss/w@{HOST}/app", "p@ss/w", "postgresql://***"),
     ],
 )
 def test_a_dsn_is_shown_without_its_secrets(dsn: str, secret: str, shown: str) -> None:
