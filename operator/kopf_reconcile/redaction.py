@@ -41,9 +41,10 @@ _remembered: set[str] = set()
 _remembered_lock = threading.Lock()
 
 _RULES: tuple[tuple[re.Pattern[str], str], ...] = (
-    # A password in a URL's userinfo: scheme://user:password@host. The password runs to
-    # the last '@' before whitespace, so '@', '/', '#', '?' or a quote never reveal half.
-    (re.compile(r"""(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'"]*:)\S*(@)"""), rf"\1{REDACTED}\2"),
+    # A password in a URL's userinfo: scheme://user:password@host. Where such a URL ends
+    # in free text cannot be known (a password may hold spaces, quotes, '@', '/'): the
+    # password runs to the line's last '@', hiding too much rather than half of it.
+    (re.compile(r"""(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'"]*:)[^\r\n]*(@)"""), rf"\1{REDACTED}\2"),
     # Keyword assignments: password=x, sslpassword=x, PGPASSWORD=x, ?password=x&...
     (
         re.compile(r"(\w*password\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&;,]+)", re.IGNORECASE),

@@ -19,7 +19,13 @@ from kopf_reconcile import ConfigError, redaction
 from kopf_reconcile.database import Database
 from kopf_reconcile.integration import cli, logs
 from kopf_reconcile.integration.settings import Settings
-from kopf_reconcile.redaction import REDACTED, dsn_secrets, redact, redact_dsn
+from kopf_reconcile.redaction import (
+    MIN_REMEMBERED_LENGTH,
+    REDACTED,
+    dsn_secrets,
+    redact,
+    redact_dsn,
+)
 
 # Nothing listens on port 1: connecting fails at once.
 HOST = "127.0.0.1:1"
@@ -138,10 +144,14 @@ def logged(message: str, *args: object, **extra: object) -> str:
 def outputs(dsn: str) -> str:
     """Everything the project prints or logs about ``dsn``."""
     shown = [redact_dsn(dsn)]
-    environment = {"KOPF_RECONCILE_DATABASE_URL": dsn}
-    loaded = Settings.load({**environment, "KOPF_RECONCILE_LEADER": "postgres"})
-    shown += [loaded.describe(), repr(loaded), repr(loaded.build_fenced_repository())]
-    shown.append(repr(loaded.build_elector()))
+    environment = {"KOPF_RECONCILE_DATABASE_URL": dsn, "KOPF_RECONCILE_LEADER": "postgres"}
+    try:
+        loaded = Settings.load(environment)
+    except ConfigError as exc:  # a URL that does not parse: the message is an output too
+        shown.append(str(exc))
+    else:
+        shown += [loaded.describe(), repr(loaded), repr(loaded.build_fenced_repository())]
+        shown.append(repr(loaded.build_elector()))
     try:
         Database(dsn.replace("postgres", "mysql", 1), table="t", schema=())
     except ConfigError as exc:
@@ -180,6 +190,26 @@ def test_the_password_asyncpg_parses_is_the_one_hidden_everywhere(password: str)
         assert password in asyncpg_secrets(form)
         assert password in dsn_secrets(form)
         assert password not in outputs(form), form
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.text(st.characters(blacklist_categories=["Cs", "Cc"]), min_size=6, max_size=24).filter(
+        lambda p: p.strip() == p
+    )
+)
+def test_a_password_typed_unencoded_is_hidden_too(password: str) -> None:
+    typed = f"postgresql://app:{password}@{HOST}/app"
+    assume(password not in outputs(f"postgresql://app:{PLACEHOLDER}@{HOST}/app"))
+    try:
+        taken = asyncpg_secrets(typed)
+    except Exception:  # asyncpg refuses the URL (e.g. a '/' ended the host early)
+        taken = []
+    assert set(taken) <= set(dsn_secrets(typed))
+    shown = outputs(typed)
+    assert password not in shown, typed
+    for secret in taken:
+        assert len(secret) < MIN_REMEMBERED_LENGTH or secret not in shown, (typed, secret)
 
 
 def test_the_issues_example_is_hidden_by_every_command(
