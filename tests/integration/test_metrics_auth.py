@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
 import ssl
@@ -22,6 +23,41 @@ from support import eventually
 
 RBAC = "/apis/rbac.authorization.k8s.io/v1"
 REASON = "the watch of devices.example.com in 'ops' is forbidden (403)"
+
+
+@contextlib.asynccontextmanager
+async def granted(
+    kube: Any, rules: list[dict[str, Any]], subject: dict[str, str]
+) -> AsyncIterator[None]:
+    """A ClusterRole of ``rules`` bound to ``subject``, deleted afterwards."""
+    name = f"granted-{secrets.token_hex(4)}"
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": rules,
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [subject],
+    }
+    async with kube.http_session() as http:
+        for path, body in (
+            (f"{RBAC}/clusterroles", role),
+            (f"{RBAC}/clusterrolebindings", binding),
+        ):
+            async with http.post(path, json=body) as response:
+                assert response.status == 201, await response.text()
+    try:
+        yield
+    finally:
+        async with kube.http_session() as http:
+            for path in (f"{RBAC}/clusterrolebindings/{name}", f"{RBAC}/clusterroles/{name}"):
+                async with http.delete(path) as response:
+                    assert response.status == 200, await response.text()
 
 
 @pytest_asyncio.fixture
@@ -45,41 +81,62 @@ async def test_the_kubernetes_api_decides_who_reads_metrics(
 
 
 async def test_a_cluster_role_on_the_metrics_url_lets_its_subject_read(kube: Any) -> None:
-    name = f"metrics-reader-{secrets.token_hex(4)}"
-    role = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": {"name": name},
-        "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
-    }
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": {"name": name},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "nobody"}],
-    }
-    async with kube.http_session() as http:
-        for path, body in (
-            (f"{RBAC}/clusterroles", role),
-            (f"{RBAC}/clusterrolebindings", binding),
-        ):
-            async with http.post(path, json=body) as response:
-                assert response.status == 201, await response.text()
+    rules = [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    nobody = {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "nobody"}
     api = kube.api_client()
     try:
+        async with granted(kube, rules, nobody):
 
-        async def allowed() -> bool:
-            fresh = KubernetesAuthorizer(api)  # no cached verdict
-            return (await fresh.verdict(f"Bearer {kube.unprivileged_token}")).allowed
+            async def allowed() -> bool:
+                fresh = KubernetesAuthorizer(api)  # no cached verdict
+                return (await fresh.verdict(f"Bearer {kube.unprivileged_token}")).allowed
 
-        await eventually(allowed, message="the binding is in effect")
+            await eventually(allowed, message="the binding is in effect")
     finally:
         await api.close()
-        async with kube.http_session() as http:
-            for path in (f"{RBAC}/clusterrolebindings/{name}", f"{RBAC}/clusterroles/{name}"):
-                async with http.delete(path) as response:
-                    assert response.status == 200, await response.text()
+
+
+async def access_allowed(http: aiohttp.ClientSession, spec: dict[str, Any]) -> bool:
+    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": spec}
+    path = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
+    async with http.post(path, json=review) as response:
+        assert response.status == 201, await response.text()
+        return bool((await response.json())["status"].get("allowed"))
+
+
+async def test_access_reviews_follow_cluster_role_bindings_of_service_accounts(
+    kube: Any, kube_namespace: str
+) -> None:
+    rules = [
+        {
+            "apiGroups": ["authentication.k8s.io"],
+            "resources": ["tokenreviews"],
+            "verbs": ["create"],
+        },
+        {"nonResourceURLs": ["/metrics", "/debug/*"], "verbs": ["get"]},
+    ]
+    reader = {"kind": "ServiceAccount", "name": "reader", "namespace": kube_namespace}
+    account = f"system:serviceaccount:{kube_namespace}:reader"
+    groups = ["system:serviceaccounts", "system:authenticated"]
+    reviews = {"group": "authentication.k8s.io", "resource": "tokenreviews"}
+    async with granted(kube, rules, reader), kube.http_session() as http:
+
+        async def may(attributes: dict[str, Any], user: str = account) -> bool:
+            kind = "nonResourceAttributes" if "path" in attributes else "resourceAttributes"
+            return await access_allowed(http, {"user": user, "groups": groups, kind: attributes})
+
+        async def bound() -> bool:
+            return await may({"path": "/metrics", "verb": "get"})
+
+        await eventually(bound, message="the binding is in effect")
+        assert await may({"path": "/debug/pprof", "verb": "get"})
+        assert not await may({"path": "/metrics", "verb": "post"})
+        # Not /healthz: kube-apiserver's bootstrap roles let everyone get it.
+        assert not await may({"path": "/configz", "verb": "get"})
+        assert await may({**reviews, "verb": "create"})
+        assert not await may({**reviews, "verb": "get"})
+        other = f"system:serviceaccount:{kube_namespace}:other"
+        assert not await may({"path": "/metrics", "verb": "get"}, user=other)
 
 
 async def test_an_access_review_needs_exactly_one_kind_of_attributes(kube: Any) -> None:
