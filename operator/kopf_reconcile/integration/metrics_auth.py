@@ -12,9 +12,9 @@ with the operator's own credentials:
 
 The operator needs ``create`` on ``tokenreviews`` and ``subjectaccessreviews``
 (the chart's ClusterRole grants it). Verdicts are kept for ``CACHE_SECONDS`` per
-token (its SHA-256, never the token), so a scrape every few seconds costs the API
-server two requests a minute; an API server that cannot answer gives 503 and is
-not cached.
+token (its SHA-256, never the token), for at most ``CACHE_SIZE`` tokens, so a scraper
+costs the API server at most two requests per ``CACHE_SECONDS``; an API server that
+cannot answer gives 503, not cached.
 """
 
 from __future__ import annotations
