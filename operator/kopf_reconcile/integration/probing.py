@@ -48,7 +48,7 @@ class PeriodicProbe(abc.ABC):
 
     def __init__(self, *, interval: float = DEFAULT_INTERVAL) -> None:
         self._interval = interval
-        self._problem: str | None = f"{self.subject} have not been checked yet"
+        self._problem: str | None = f"{self.subject}: not checked yet"
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
 
