@@ -43,7 +43,7 @@ RECHECK = 1.0
 class PeriodicProbe(abc.ABC):
     """A check repeated every ``interval`` seconds; ``problem()`` tells the last verdict."""
 
-    #: What is checked, for the log ("every watch", "the database").
+    #: What is checked, for the log ("the watches", "the database").
     subject = "the checks"
 
     def __init__(self, *, interval: float = DEFAULT_INTERVAL) -> None:
