@@ -1,7 +1,7 @@
 """``kopf-reconcile run`` as a process: with ``KOPF_RECONCILE_METRICS_AUTH=kubernetes`` (as the
 chart runs it) ``/metrics`` refuses a scrape without a token and serves one the API server
-allows, and ``/healthz`` shows its report to that token only; a leader whose watch stays
-broken stands aside."""
+allows, and ``/healthz`` shows its report to that token only; a replica that cannot reach
+its database is not ready; a leader whose watch stays broken stands aside."""
 
 from __future__ import annotations
 
@@ -72,4 +72,32 @@ async def test_a_leader_whose_watch_stays_broken_stands_aside_and_leads_again_al
         assert len(operator.lines("standing aside")) == 1  # not again while still broken
     finally:
         kube.clear_faults()
+    assert await operator.stop() == 0
+
+
+@pytest.mark.parametrize("kube", ["embedded"], indirect=True)
+async def test_a_replica_that_cannot_reach_its_database_is_not_ready(
+    operators: Operators, devices_crd: None
+) -> None:
+    password = "unreachable-s3cret"
+    operator = await operators.start(
+        env={
+            # Nothing listens on port 1: the database cannot be reached, as after a network cut.
+            "KOPF_RECONCILE_DATABASE_URL": f"postgresql://app:{password}@127.0.0.1:1/app",
+            "KOPF_RECONCILE_LEADER": "postgres",
+        }
+    )
+    url = await operator.endpoints()
+    async with aiohttp.ClientSession() as http:
+
+        async def names_the_database() -> bool:
+            async with http.get(url + "/readyz") as response:
+                body = await response.json()
+            return response.status == 503 and "PostgreSQL at" in str(body.get("reason"))
+
+        await eventually(names_the_database, timeout=30, message="/readyz naming the database")
+        async with http.get(url + "/readyz") as response:
+            reason = (await response.json())["reason"]
+    assert "postgresql://app:***@127.0.0.1:1/app cannot be reached" in reason
+    assert password not in operator.text + reason
     assert await operator.stop() == 0
