@@ -17,7 +17,8 @@ name.
 the server refuses (credentials, role, database name) is a configuration error,
 while a server that does not answer yet may answer later and is only reported.
 
-DSNs carry passwords; every message and ``repr`` here shows them redacted.
+DSNs carry passwords; every message and ``repr`` here shows them redacted, and a DSN
+given here has its secrets hidden from every later log line (:mod:`kopf_reconcile.redaction`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Mapping, Sequence
 import asyncpg
 
 from kopf_reconcile.api import ConfigError
-from kopf_reconcile.redaction import redact
+from kopf_reconcile.redaction import redact, redact_dsn, remember_dsn
 from kopf_reconcile.remote_errors import describe_error
 
 __all__ = ["Database", "check_database", "is_postgres_url", "qualified_table", "redact_dsn"]
@@ -57,11 +58,6 @@ def is_postgres_url(text: str) -> bool:
     return bool(sep) and scheme.lower() in _DSN_SCHEMES
 
 
-def redact_dsn(dsn: str) -> str:
-    """The DSN with any password replaced by ``***`` (URL, query or keyword form)."""
-    return redact(dsn)
-
-
 def qualified_table(option: str, name: object) -> str:
     """Validate a table name (``table`` or ``schema.table``) and quote it for SQL."""
     parts = name.split(".") if isinstance(name, str) else []
@@ -82,6 +78,7 @@ async def check_database(dsn: str, source: str, timeout: float) -> str | None:
     A server that does not answer (refused connection, timeout, starting up) may
     answer later, so that is returned, on one line, for the caller to report.
     """
+    remember_dsn(dsn)
     try:
         connection = await asyncpg.connect(dsn, timeout=timeout)
     except _REFUSED as exc:
@@ -117,6 +114,7 @@ class Database:
         if isinstance(dsn_or_pool, asyncpg.Pool):
             self._pool = dsn_or_pool
         elif isinstance(dsn_or_pool, str) and is_postgres_url(dsn_or_pool):
+            remember_dsn(dsn_or_pool)
             self._dsn = dsn_or_pool
         else:
             shown = redact_dsn(dsn_or_pool) if isinstance(dsn_or_pool, str) else dsn_or_pool

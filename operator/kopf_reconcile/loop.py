@@ -139,6 +139,7 @@ class Loop:
         """
         self._config = config
         self._may_acquire = may_acquire
+        self._aside_until = 0.0  # on the event loop's clock: no acquire attempt before it
         self._name, self._reconciler_id = config.names()
         # An unsharded replica refused for the layout its store records waits, then retries.
         self._layout_wait = LayoutWait(self._name, config.renew_interval, config.rng)
@@ -678,7 +679,10 @@ class Loop:
         self._layout_wait.accepted()
 
     def _may_acquire_now(self) -> bool:
-        """Asked before each acquire attempt: not while a layout refusal is waited out."""
+        """Asked before each acquire attempt: not while a layout refusal is waited out, nor
+        while standing aside (:meth:`stand_aside`)."""
+        if asyncio.get_running_loop().time() < self._aside_until:
+            return False
         return self._layout_wait.open() and (self._may_acquire is None or self._may_acquire())
 
     def _on_lead(self, token: LeaseToken) -> None:
@@ -763,6 +767,20 @@ class Loop:
                 self._dispatch()
             return
         holder.step_down_soon("handing the lease off to another replica")
+
+    def stand_aside(self, reason: str, seconds: float) -> None:
+        """Lead no more for ``seconds``: step down now when leading, try no acquire until then.
+
+        The step-down is the ordinary one: nothing passes the local lease check from
+        now on, the reconciles in flight are cancelled, and the lease is released once
+        they ended (or lapses). A Loop without an elector always leads: nothing happens.
+        """
+        holder = self._holder
+        if holder is None or self._stopping:
+            return
+        self._aside_until = asyncio.get_running_loop().time() + seconds
+        if holder.leading:
+            holder.step_down_soon(reason)
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -425,6 +425,11 @@ class ShardedLoop(Loop):
             async with asyncio.timeout(self._timing.renew_deadline):
                 await elector.release_lease(token)
 
+    def stand_aside(self, reason: str, seconds: float) -> None:
+        """Every shard's Loop stands aside (see :meth:`Loop.stand_aside`)."""
+        for loop in self._shard_loops:
+            loop.stand_aside(reason, seconds)
+
     def __repr__(self) -> str:
         return (
             f"<ShardedLoop {self.name} shards={self.shards} held={self.held_shards()} "

@@ -478,8 +478,10 @@ class Release:
         assert result.returncode == 0, result.stderr
         return [d for d in yaml.safe_load_all(result.stdout) if d]
 
-    async def token(self) -> str:
-        path = f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{self.name}/token"
+    async def token(self, account: str = "") -> str:
+        """A token of ``account`` (default: the operator's ServiceAccount)."""
+        account = account or self.name
+        path = f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token"
         async with self.cluster.http_session() as http:
             answer = await api(http, "POST", path, {"spec": {"expirationSeconds": 3600}})
         return str(answer["status"]["token"])
@@ -532,6 +534,7 @@ class Operators:
             KOPF_RECONCILE_METRICS_PORT="0",
             KOPF_RECONCILE_LEASE_TTL="5",
             KOPF_RECONCILE_RENEW_INTERVAL="1",
+            KOPF_RECONCILE_METRICS_AUTH="kubernetes",  # as the chart sets it
         )
 
     async def start(self, pod: str) -> OperatorProcess:
@@ -561,15 +564,25 @@ class Operators:
         shutil.rmtree(self.inside, ignore_errors=True)
 
 
-async def readyz(process: OperatorProcess) -> tuple[int, dict[str, Any]]:
+async def readyz(process: OperatorProcess, token: str = "") -> tuple[int, dict[str, Any]]:
+    """The status and body of ``/readyz`` (its reason only with a token that may read metrics)."""
+    status, body = await scrape(process, "/readyz", token)
+    return status, json.loads(body) if status in (200, 503) else {}
+
+
+async def scrape(process: OperatorProcess, path: str, token: str = "") -> tuple[int, str]:
     match = _SERVING.search(process.output)
     if match is None:
-        return 0, {}
+        return 0, ""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        async with aiohttp.ClientSession() as http, http.get(f"{match[1]}/readyz") as response:
-            return response.status, await response.json()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{match[1]}{path}", headers=headers) as response,
+        ):
+            return response.status, await response.text()
     except aiohttp.ClientError:
-        return 0, {}
+        return 0, ""
 
 
 async def device_converged(http: aiohttp.ClientSession, namespace: str, name: str) -> bool:
@@ -663,6 +676,12 @@ async def test_operator_uses_every_permission_of_the_chart_and_no_other(
                     timeout=60,  # type: ignore[misc]
                     message="both replicas ready",
                 )
+            # /metrics: refused without a token, served to the chart's scraper (the operator
+            # creates a TokenReview and a SubjectAccessReview).
+            assert (await scrape(first, "/metrics"))[0] == 401
+            scraper = await release.token(f"{release.name}-metrics-scraper")
+            status, text = await scrape(first, "/metrics", scraper)
+            assert status == 200 and "# TYPE" in text, text[:500]
             code, out = await operators.leases_command()  # NOTES: `kopf-reconcile leases`
             assert code == 0 and RECONCILER_ID in out, out
         finally:
@@ -705,7 +724,7 @@ async def test_readyz_is_not_ready_while_a_watch_is_forbidden(
             process = await operators.start("devices-0")
 
             async def forbidden_reason() -> bool:
-                status, body = await readyz(process)
+                status, body = await readyz(process, real_cluster.admin_token)
                 return status == 503 and "forbidden" in str(body.get("reason"))
 
             await eventually(forbidden_reason, timeout=60, message="/readyz naming the 403")
@@ -779,13 +798,15 @@ async def test_helm_test_hook_passes_only_while_a_live_leader_holds_the_lease(
                     "ServiceAccount": "serviceaccounts",
                     "Role": "roles",
                     "RoleBinding": "rolebindings",
+                    "ClusterRoleBinding": "clusterrolebindings",  # to read /healthz reports
                 }[doc["kind"]]
                 base = (
                     "/api/v1"
                     if doc["kind"] == "ServiceAccount"
                     else ("/apis/rbac.authorization.k8s.io/v1")
                 )
-                await api(http, "POST", f"{base}/namespaces/{ns}/{plural}", doc)
+                where = "" if doc["kind"] == "ClusterRoleBinding" else f"/namespaces/{ns}"
+                await api(http, "POST", f"{base}{where}/{plural}", doc)
         account = hook_pod["spec"]["serviceAccountName"]
         token = await api(
             http,

@@ -17,12 +17,16 @@ what the commands promise:
   pods share the node's clock, each logs "leads" after its lease is confirmed
   and "stops leading" before it lets go, so their leadership intervals,
   read from their logs, must not overlap;
+- ``/metrics`` refuses a scrape without a token (401) and serves one with the token the
+  chart's ServiceMonitor sends (200), the operator asking the API server (a TokenReview and
+  a SubjectAccessReview);
 - ``helm test`` passes; ``helm uninstall`` leaves no pod and no container.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import itertools
 import json
@@ -277,6 +281,67 @@ async def test_installed_replicas_converge_devices_without_a_forbidden_request(
     forbidden = [e for e in requests if e.get("responseStatus", {}).get("code") == 403]
     assert not forbidden, f"forbidden: {[(e['verb'], e['requestURI']) for e in forbidden]}"
     await assert_no_stale_write(deployment)
+
+
+# A scrape from inside an operator pod, of its own port: the status without a token, then
+# with the token on stdin (never on a command line).
+SCRAPE = """
+import sys, urllib.error, urllib.request
+token = sys.stdin.read().strip()
+def status(headers):
+    request = urllib.request.Request("http://127.0.0.1:8080/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+print(status({}), status({"Authorization": "Bearer " + token}))
+"""
+
+
+async def service_monitor_token(deployment: Deployment) -> str:
+    """The token the chart's ServiceMonitor sends: the Secret its endpoint names, once the
+    token controller filled it in."""
+    rendered = await deployment.run(
+        ["helm", "template", RELEASE, "charts/kopf-reconcile", "-n", NAMESPACE,
+         "--set", "database.existingSecret=devices-db",
+         "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+         "--show-only", "templates/servicemonitor.yaml"]
+    )  # fmt: skip
+    (endpoint,) = yaml.safe_load(rendered)["spec"]["endpoints"]
+    credentials = endpoint["authorization"]["credentials"]
+    found: list[str] = []
+
+    async def filled_in() -> bool:
+        answer = await deployment.kubectl(
+            "get", "secret", credentials["name"], "-n", NAMESPACE, "-o", "json"
+        )
+        data = json.loads(answer).get("data") or {}
+        if credentials["key"] in data:
+            found.append(base64.b64decode(data[credentials["key"]]).decode())
+        return bool(found)
+
+    await eventually(filled_in, timeout=60, message="the scraper's token Secret filled in")
+    return found[0]
+
+
+async def test_metrics_refuse_a_scrape_without_a_token_and_serve_the_service_monitors(
+    deployment: Deployment,
+) -> None:
+    # Before the verb check below: the operator's TokenReviews and SubjectAccessReviews
+    # happen here, so the rules allowing them are seen used.
+    token = await service_monitor_token(deployment)
+    shown = await deployment.kubectl(
+        "exec", "-i", "-n", NAMESPACE, f"deploy/{RELEASE}", "--", "python", "-c", SCRAPE,
+        stdin=token,
+    )  # fmt: skip
+    assert shown.split() == ["401", "200"], shown
+    reviews = [
+        e["objectRef"]["resource"]
+        for e in operator_requests(deployment.node)
+        if "objectRef" in e and e["verb"] == "create"
+    ]
+    assert {"tokenreviews", "subjectaccessreviews"} <= set(reviews), reviews
 
 
 async def test_every_verb_of_every_rule_is_needed(deployment: Deployment) -> None:

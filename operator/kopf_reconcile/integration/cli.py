@@ -78,10 +78,11 @@ from kopf_reconcile.commands import dev, init
 from kopf_reconcile.database import redact_dsn
 from kopf_reconcile.integration import logs, shard_leases
 from kopf_reconcile.integration import settings as process_settings
-from kopf_reconcile.integration.settings import LeaderKind, Settings
+from kopf_reconcile.integration.metrics_auth import server_tls
+from kopf_reconcile.integration.settings import LeaderKind, MetricsAuth, Settings
 from kopf_reconcile.integration.tables import format_table
 from kopf_reconcile.leader.protocol import LeaseRecord
-from kopf_reconcile.redaction import redact
+from kopf_reconcile.redaction import dsn_secrets, redact
 from kopf_reconcile.remote_errors import describe_error
 from kopf_reconcile.sharding import MAX_SHARDS, of_reconciler
 
@@ -329,7 +330,7 @@ def _database_url_argument(args: argparse.Namespace) -> str | None:
             raise ConfigError(f"--database-url-file {args.database_url_file!r} is empty")
         return from_file
     url: str | None = args.database_url
-    if url is not None and redact(url) != url:
+    if url is not None and dsn_secrets(url):
         print(
             "kopf-reconcile: warning: the password in --database-url is visible to every user "
             "of this machine in the process list; set KOPF_RECONCILE_DATABASE_URL or use "
@@ -378,6 +379,7 @@ def _run(args: argparse.Namespace) -> int:
     check_reconciler_ids(config)  # an ambiguous lease name stops it before anything runs
     asyncio.run(_check_lease_namespace(config))
     asyncio.run(_check_database(config))
+    server_tls(config.metrics_tls_cert, config.metrics_tls_key)  # bad files stop it here
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(_serve(args, config))
@@ -487,18 +489,30 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
     ready = asyncio.Event()
     stop = asyncio.Event()
     host, port = config.metrics_host, config.metrics_port
-    from kopf_reconcile.integration.watch_probe import WatchProbe, targets
+    from kopf_reconcile.integration.metrics_auth import KubernetesAuthorizer
+    from kopf_reconcile.integration.probing import first_problem
+    from kopf_reconcile.integration.watch_probe import WatchProbe, namespace_patterns, targets
 
     # Ready also means every watch kopf keeps is allowed and answering (a forbidden watch
-    # leaves the operator idle while kopf's own startup flag says it is done).
-    probe = WatchProbe(targets(kopf_shim.watched_resources(), args.namespaces, args.clusterwide))
+    # leaves the operator idle while kopf's own startup flag says it is done), and the
+    # database a leader needs answers.
+    resources = kopf_shim.watched_resources()
+    watch_probe = WatchProbe(
+        targets(resources, args.namespaces, args.clusterwide),
+        patterns=namespace_patterns(resources, args.namespaces, kopf_shim.match_namespace),
+    )
+    probes = [watch_probe, *config.store_probes()]
+    guard = config.broken_watch_guard(watch_probe.problem, kopf_shim.running_loops)
+    authorizer = KubernetesAuthorizer() if config.metrics_auth is MetricsAuth.KUBERNETES else None
     endpoints = Endpoints(
         host,
         port,
         ready=ready.is_set,
         report=kopf_shim.status,
         stopping=stop.is_set,
-        problem=probe.problem,
+        problem=first_problem(*probes),
+        authorizer=authorizer,
+        ssl_context=server_tls(config.metrics_tls_cert, config.metrics_tls_key),
     )
     try:
         url = await endpoints.start()
@@ -524,8 +538,11 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
         _take_over_signals(stop)
 
     taking_over = asyncio.create_task(signals_once_started())
+    guarding: asyncio.Task[None] | None = None
     try:
-        await probe.start()
+        for probe in probes:
+            await probe.start()
+        guarding = asyncio.create_task(guard.run(), name="kopf-reconcile broken watch guard")
         await kopf.operator(
             namespaces=args.namespaces,
             clusterwide=args.clusterwide,
@@ -538,8 +555,13 @@ async def _serve(args: argparse.Namespace, config: Settings) -> int:
         )
     finally:
         taking_over.cancel()
-        await probe.stop()
+        if guarding is not None:
+            guarding.cancel()
+        for probe in probes:
+            await probe.stop()
         await endpoints.stop()
+        if authorizer is not None:
+            await authorizer.close()
     return 0
 
 

@@ -927,6 +927,20 @@ def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:
     return resources
 
 
+def running_loops(registry: Any = None) -> list[Loop]:
+    """The Loops of the reconcilers registered on ``registry`` that run now."""
+    real_registry = kopf.get_default_registry() if registry is None else registry
+    loops = (r.loop for r in _registrations if r.registry is real_registry)
+    return [loop for loop in loops if loop is not None]
+
+
+def match_namespace(name: str, pattern: str) -> bool:
+    """Whether kopf watches namespace ``name`` for ``pattern`` (globs, ``!`` negations)."""
+    from kopf._cogs.structs import references
+
+    return bool(references.match_namespace(references.NamespaceName(name), pattern))
+
+
 def status(registry: Any = None) -> dict[str, dict[str, object]]:
     """Per reconciler id: running, leader, epoch and queue figures (for probes and /healthz)."""
     real_registry = kopf.get_default_registry() if registry is None else registry

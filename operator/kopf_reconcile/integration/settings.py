@@ -43,12 +43,12 @@ import math
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from kopf_reconcile.api import ConfigError
-from kopf_reconcile.database import is_postgres_url, redact_dsn
+from kopf_reconcile.database import is_postgres_url
 from kopf_reconcile.leader.identity import unique_holder_id
 from kopf_reconcile.leader.protocol import MIN_LEASE_TTL, LeaseTTL
 from kopf_reconcile.leader.timing import (
@@ -57,9 +57,12 @@ from kopf_reconcile.leader.timing import (
     MAX_LEASE_TTL,
     LeaseTiming,
 )
+from kopf_reconcile.redaction import redact_dsn, remember_dsn
 
 if TYPE_CHECKING:
     from kopf_reconcile.fencing.protocol import FencedRepository
+    from kopf_reconcile.integration.probing import StoreProbe
+    from kopf_reconcile.integration.watch_guard import BrokenWatchGuard, Candidate
     from kopf_reconcile.leader.protocol import LeaderElector
 
 __all__ = ["ENVIRONMENT", "LeaderKind", "LogFormat", "Settings", "current", "install"]
@@ -90,6 +93,13 @@ class LeaderKind(enum.Enum):
     NONE = "none"
 
 
+class MetricsAuth(enum.Enum):
+    """Who may read ``/metrics``: anyone, or whom the Kubernetes API allows."""
+
+    NONE = "none"
+    KUBERNETES = "kubernetes"  # TokenReview + SubjectAccessReview (see metrics_auth)
+
+
 class LogFormat(enum.Enum):
     """How log records are written: one JSON object per line, or plain text."""
 
@@ -117,6 +127,9 @@ ENVIRONMENT: tuple[_Variable, ...] = (
     _Variable("metrics_port", "KOPF_RECONCILE_METRICS_PORT", "port of /metrics and health"),
     _Variable("log_format", "KOPF_RECONCILE_LOG_FORMAT", "text | json"),
     _Variable("log_level", "KOPF_RECONCILE_LOG_LEVEL", "DEBUG | INFO | WARNING | ERROR"),
+    _Variable("metrics_auth", "KOPF_RECONCILE_METRICS_AUTH", "kubernetes | none"),
+    _Variable("metrics_tls_cert", "KOPF_RECONCILE_METRICS_TLS_CERT", "PEM certificate of /metrics"),
+    _Variable("metrics_tls_key", "KOPF_RECONCILE_METRICS_TLS_KEY", "PEM key of that certificate"),
 )
 
 
@@ -137,6 +150,9 @@ class Settings:
     log_level: str = "INFO"
     in_cluster: bool = False  # KUBERNETES_SERVICE_HOST is set: this process runs in a pod
     metrics_host_given: bool = False  # False: the default of where this process runs
+    metrics_auth: MetricsAuth = MetricsAuth.NONE
+    metrics_tls_cert: str | None = None
+    metrics_tls_key: str | None = None
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **arguments: Any) -> Settings:
@@ -181,6 +197,9 @@ class Settings:
             log_level=parsed("log_level", _log_level, "INFO"),
             in_cluster=in_cluster,
             metrics_host_given=raw("metrics_host")[1] is not None,
+            metrics_auth=parsed("metrics_auth", _enum(MetricsAuth), MetricsAuth.NONE),
+            metrics_tls_cert=parsed("metrics_tls_cert", _text, None),
+            metrics_tls_key=parsed("metrics_tls_key", _text, None),
         )
         settings._check_consistency(raw)
         return settings
@@ -198,6 +217,10 @@ class Settings:
                 f"{ttl_source} must be a whole number of seconds with Kubernetes Leases "
                 f"(spec.leaseDurationSeconds), got {self.lease_ttl.seconds:g}"
             )
+        if (self.metrics_tls_cert is None) != (self.metrics_tls_key is None):
+            cert_source, _ = raw("metrics_tls_cert")
+            key_source, _ = raw("metrics_tls_key")
+            raise ConfigError(f"{cert_source} and {key_source} go together: set both or neither")
         if self.leader is LeaderKind.POSTGRES and self.database_url is None:
             leader_source, _ = raw("leader")
             url_source, _ = raw("database_url")
@@ -263,6 +286,24 @@ class Settings:
         from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 
         return PostgresFencedRepository(self.database_url)
+
+    def store_probes(self) -> list[StoreProbe]:
+        """Readiness checks of the database a replica needs to lead or write, if any."""
+        if self.database_url is None or not self.fenced:
+            return []
+        from kopf_reconcile.integration.probing import StoreProbe
+
+        return [StoreProbe(self.database_url, "KOPF_RECONCILE_DATABASE_URL")]
+
+    def broken_watch_guard(
+        self, problem: Callable[[], str | None], candidates: Callable[[], Iterable[Candidate]]
+    ) -> BrokenWatchGuard:
+        """Stands this replica's Loops aside once its watch stayed broken for one lease TTL
+        (for a TTL plus a renew interval: time for a healthy candidate to take the lease)."""
+        from kopf_reconcile.integration.watch_guard import BrokenWatchGuard
+
+        ttl = self.lease_ttl.seconds
+        return BrokenWatchGuard(problem, candidates, bound=ttl, hold_off=ttl + self.renew_interval)
 
     def describe(self) -> str:
         """One line for the startup log; the database password is redacted."""
@@ -354,6 +395,7 @@ def _database_url(source: str, value: object) -> str:
             f"{source} must be a PostgreSQL URL (postgresql://user:password@host:5432/database), "
             f"got {shown!r}"
         )
+    remember_dsn(value)
     return value
 
 

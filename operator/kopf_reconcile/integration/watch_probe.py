@@ -14,21 +14,22 @@ API server answers 200: authorization and admission are decided before the
 first event, so the answer is the verdict. Targets are what kopf watches:
 CustomResourceDefinitions (always), namespaces (when it watches namespaces
 by name, to match its patterns), and each reconciler's resource (and the resources
-it owns or watches) in each watched namespace (or cluster-wide).
+it owns or watches) in each watched namespace, or cluster-wide: with ``-A``, and
+with neither ``-n`` nor ``-A`` (kopf then goes cluster-wide, with a warning).
+A namespace pattern (``-n 'team-*'``) is resolved as kopf resolves it, every
+round: the resources are checked in each existing namespace it matches
+(:class:`NamespacePatterns`, given kopf's own matcher by the CLI).
 
 :meth:`WatchProbe.problem` is ``None`` while every target's last check passed,
-else a one-line reason (for ``/readyz`` and the log). A probe that has not yet
-finished its first round reports that too.
+else a one-line reason; a forbidden watch is the verdict at once, other failures
+count after a few rounds (:mod:`kopf_reconcile.integration.probing`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,10 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
 
-__all__ = ["WatchProbe", "WatchTarget", "targets"]
+from kopf_reconcile.integration.probing import DEFAULT_INTERVAL, REQUEST_TIMEOUT, PeriodicProbe
 
-logger = logging.getLogger("kopf_reconcile.watch_probe")
+__all__ = ["NamespacePatterns", "WatchProbe", "WatchTarget", "namespace_patterns", "targets"]
 
-#: Seconds between two rounds of checks, and the time one request may take.
-DEFAULT_INTERVAL = 10.0
-REQUEST_TIMEOUT = 10.0
-#: A ready replica turns not ready after this many failed rounds in a row (a refusal: one),
-#: checking again after RECHECK seconds in between.
-TRANSIENT_ROUNDS = 3
-RECHECK = 1.0
 FORBIDDEN = "is forbidden (403)"
 
 
@@ -74,25 +68,65 @@ class WatchTarget:
 CRDS = WatchTarget("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 NAMESPACES = WatchTarget("", "v1", "namespaces")
 
+Resource = tuple[str, str, str]  # group, version, plural
+
+
+def is_specific(namespace: str) -> bool:
+    """Whether ``namespace`` names one namespace rather than a pattern.
+
+    kopf's rule (``select_specific_namespaces``): these are watched even without the
+    permission to watch namespaces.
+    """
+    return bool(namespace) and not any(c in namespace for c in "!*?,")
+
+
+@dataclass(frozen=True)
+class NamespacePatterns:
+    """Resources kopf watches in every namespace its patterns match, resolved each round.
+
+    ``matches(name, pattern)`` is kopf's own matcher (negations, comma-separated globs).
+    """
+
+    patterns: tuple[str, ...]
+    resources: tuple[Resource, ...]
+    matches: Callable[[str, str], bool] = field(compare=False)
+
+    def __str__(self) -> str:
+        return ", ".join(self.patterns)
+
+    def targets(self, namespaces: Iterable[str]) -> list[WatchTarget]:
+        chosen = [ns for ns in namespaces if any(self.matches(ns, p) for p in self.patterns)]
+        return [WatchTarget(*resource, ns) for ns in chosen for resource in self.resources]
+
 
 def targets(
-    resources: Iterable[tuple[str, str, str]], namespaces: Sequence[str], clusterwide: bool
+    resources: Iterable[Resource], namespaces: Sequence[str], clusterwide: bool
 ) -> list[WatchTarget]:
-    """What kopf watches for ``resources`` (group, version, plural) in ``namespaces``.
+    """What kopf watches for ``resources`` in ``namespaces`` before resolving patterns.
 
-    Namespace patterns (globs, negations) are left out: kopf resolves them from
-    its namespace watch, which is checked itself.
+    With neither namespaces nor ``clusterwide``, kopf watches cluster-wide. Patterns
+    are resolved by :class:`NamespacePatterns` from the namespaces, checked here.
     """
-    exact = [ns for ns in namespaces if ns and not any(c in ns for c in "*?[]!,")]
+    clusterwide = clusterwide or not namespaces
     found = [CRDS]
     if not clusterwide:
         found.append(NAMESPACES)
-    for group, version, plural in resources:
+    for resource in resources:
         if clusterwide:
-            found.append(WatchTarget(group, version, plural))
+            found.append(WatchTarget(*resource))
         else:
-            found.extend(WatchTarget(group, version, plural, ns) for ns in exact)
+            found.extend(WatchTarget(*resource, ns) for ns in namespaces if is_specific(ns))
     return list(dict.fromkeys(found))
+
+
+def namespace_patterns(
+    resources: Iterable[Resource],
+    namespaces: Sequence[str],
+    matches: Callable[[str, str], bool],
+) -> NamespacePatterns | None:
+    """The patterns among ``namespaces`` with what kopf watches where they match, if any."""
+    patterns = tuple(ns for ns in namespaces if ns and not is_specific(ns))
+    return NamespacePatterns(patterns, tuple(resources), matches) if patterns else None
 
 
 async def default_api_client() -> ApiClient:
@@ -108,8 +142,10 @@ async def default_api_client() -> ApiClient:
     return ApiClient(configuration)
 
 
-class WatchProbe:
+class WatchProbe(PeriodicProbe):
     """Checks every target every ``interval`` seconds; ``problem()`` tells the last outcome."""
+
+    subject = "the watches"
 
     def __init__(
         self,
@@ -117,66 +153,42 @@ class WatchProbe:
         *,
         interval: float = DEFAULT_INTERVAL,
         api: ApiClient | None = None,
+        patterns: NamespacePatterns | None = None,
     ) -> None:
+        super().__init__(interval=interval)
         self._targets = list(watch_targets)
-        self._interval = interval
+        self._patterns = patterns
         self._api = api
         self._owns_api = api is None
-        self._problem: str | None = "the watches have not been checked yet"
-        self._task: asyncio.Task[None] | None = None
-        self.rounds = 0
-
-    def problem(self) -> str | None:
-        """``None`` when every watch was allowed and answered in the last round."""
-        return self._problem
 
     async def start(self) -> None:
         if self._api is None:
             self._api = await default_api_client()
-        self._task = asyncio.create_task(self._run(), name="kopf-reconcile watch probe")
+        await super().start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await super().stop()
         if self._owns_api and self._api is not None:
             await self._api.close()
             self._api = None
 
+    def is_refusal(self, problem: str) -> bool:
+        return FORBIDDEN in problem
+
     async def check_once(self) -> str | None:
         """One round: the first failure's reason, or ``None``."""
-        for target in self._targets:
+        checked = list(self._targets)
+        if self._patterns is not None:
+            listed = await self._get(NAMESPACES.path, [])
+            if isinstance(listed, str):
+                return f"the namespaces cannot be listed to match {self._patterns}: {listed}"
+            names = [str(item["metadata"]["name"]) for item in listed.get("items") or ()]
+            checked += [t for t in self._patterns.targets(names) if t not in checked]
+        for target in checked:
             failure = await self._check(target)
             if failure is not None:
                 return f"the watch of {target} {failure}"
         return None
-
-    async def _run(self) -> None:
-        failed_rounds = 0
-        while True:
-            try:
-                problem = await self.check_once()
-            except Exception as exc:  # the probe must outlive any one failure
-                problem = f"the watches cannot be checked: {exc.__class__.__name__}: {exc}"
-            self.rounds += 1
-            failed_rounds = 0 if problem is None else failed_rounds + 1
-            # A refusal is the verdict at once; one slow or failed request of a replica that
-            # was ready is checked again soon before it counts (a busy API server is no
-            # reason to leave the Services).
-            transient = problem is not None and FORBIDDEN not in problem
-            if transient and self._problem is None and failed_rounds < TRANSIENT_ROUNDS:
-                logger.debug("a watch check failed, checking again: %s", problem)
-                await asyncio.sleep(min(self._interval, RECHECK))
-                continue
-            if problem != self._problem:
-                if problem is None:
-                    logger.info("every watch is allowed and answering: ready")
-                else:
-                    logger.warning("not ready: %s", problem)
-            self._problem = problem
-            await asyncio.sleep(self._interval)
 
     async def _check(self, target: WatchTarget) -> str | None:
         listed = await self._get(target.path, [("limit", "1")])
@@ -210,7 +222,7 @@ class WatchProbe:
             if response.status == 403:
                 return f"{FORBIDDEN}: the ServiceAccount's RBAC does not allow it"
             if response.status != 200:
-                text = (await response.text())[:200]
+                text = (await response.text())[:200].strip()
                 return f"answered {response.status}: {text}"
             if stream:
                 return {}

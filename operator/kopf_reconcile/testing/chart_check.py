@@ -47,6 +47,9 @@ class Verdict:
     lines: tuple[str, ...]
 
 
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
 def _parse_time(text: str | None) -> datetime.datetime | None:
     if not text:
         return None
@@ -105,27 +108,51 @@ def _in_cluster_session() -> aiohttp.ClientSession:
     import os
     import ssl
 
-    secrets = "/var/run/secrets/kubernetes.io/serviceaccount"
+    secrets = SERVICE_ACCOUNT
     host = os.environ["KUBERNETES_SERVICE_HOST"]
     port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
     if ":" in host:
         host = f"[{host}]"
-    with open(f"{secrets}/token", encoding="ascii") as file:
-        token = file.read().strip()
     tls = ssl.create_default_context(cafile=f"{secrets}/ca.crt")
     return aiohttp.ClientSession(
         base_url=f"https://{host}:{port}",
-        headers={"Authorization": f"Bearer {token}"},
+        headers={"Authorization": f"Bearer {_token()}"},
         connector=aiohttp.TCPConnector(ssl=tls),
         timeout=aiohttp.ClientTimeout(total=10),
     )
 
 
-async def _observe(api: aiohttp.ClientSession, namespace: str, selector: str, port: int) -> Verdict:
+def _token() -> str:
+    with open(f"{SERVICE_ACCOUNT}/token", encoding="ascii") as file:
+        return file.read().strip()
+
+
+def _pods_session(ca_file: str | None) -> aiohttp.ClientSession:
+    """A session to the pods' ``/healthz``: with this pod's token, which the chart lets read
+    the reports when the metrics are authenticated, and over TLS when ``ca_file`` is given
+    (the certificate names the Service, not the pod IPs asked here: its CA is what counts)."""
+    connector = None
+    if ca_file is not None:
+        import ssl
+
+        tls = ssl.create_default_context(cafile=ca_file)
+        tls.check_hostname = False
+        connector = aiohttp.TCPConnector(ssl=tls)
+    return aiohttp.ClientSession(
+        headers={"Authorization": f"Bearer {_token()}"},
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=5),
+    )
+
+
+async def _observe(
+    api: aiohttp.ClientSession, namespace: str, selector: str, port: int, ca_file: str | None
+) -> Verdict:
     pods = await _api_get(api, f"/api/v1/namespaces/{namespace}/pods", labelSelector=selector)
     running: list[str] = []
     reconcilers: set[str] = set()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as plain:
+    scheme = "http" if ca_file is None else "https"
+    async with _pods_session(ca_file) as plain:
         for pod in (pods or {}).get("items") or []:
             ip = (pod.get("status") or {}).get("podIP")
             if not ip or (pod.get("status") or {}).get("phase") != "Running":
@@ -133,7 +160,7 @@ async def _observe(api: aiohttp.ClientSession, namespace: str, selector: str, po
             if pod["metadata"].get("deletionTimestamp"):
                 continue  # leaving: it may still hold a lease it is about to release
             try:
-                async with plain.get(f"http://{ip}:{port}/healthz") as response:
+                async with plain.get(f"{scheme}://{ip}:{port}/healthz") as response:
                     report = await response.json()
             except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError):
                 continue
@@ -148,13 +175,15 @@ async def _observe(api: aiohttp.ClientSession, namespace: str, selector: str, po
     return judge(running, sorted(reconcilers), leases, datetime.datetime.now(datetime.UTC))
 
 
-async def check(namespace: str, selector: str, port: int, timeout: float) -> Verdict:
+async def check(
+    namespace: str, selector: str, port: int, timeout: float, ca_file: str | None = None
+) -> Verdict:
     """Observe until healthy or ``timeout`` seconds have passed; the last verdict."""
     deadline = time.monotonic() + timeout
     async with _in_cluster_session() as api:
         while True:
             try:
-                verdict = await _observe(api, namespace, selector, port)
+                verdict = await _observe(api, namespace, selector, port, ca_file)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 verdict = Verdict(False, (f"the API answered: {exc}",))
             if verdict.healthy or time.monotonic() > deadline:
@@ -168,8 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--selector", required=True, help="label selector of the operator pods")
     parser.add_argument("--port", type=int, default=8080, help="the pods' /healthz port")
     parser.add_argument("--timeout", type=float, default=90.0)
+    parser.add_argument("--ca-file", help="the CA of the pods' certificate: ask over HTTPS")
     args = parser.parse_args(argv)
-    verdict = asyncio.run(check(args.namespace, args.selector, args.port, args.timeout))
+    verdict = asyncio.run(
+        check(args.namespace, args.selector, args.port, args.timeout, args.ca_file)
+    )
     for line in verdict.lines:
         print(line, flush=True)
     if verdict.healthy:

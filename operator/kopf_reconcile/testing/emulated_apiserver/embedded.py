@@ -9,6 +9,7 @@ it exactly as to a real cluster: kubernetes-asyncio (:meth:`api_client`), raw HT
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 from pathlib import Path
 from types import TracebackType
@@ -21,6 +22,7 @@ from kopf_reconcile.testing.emulated_apiserver.faults import Fault, FaultInjecto
 from kopf_reconcile.testing.emulated_apiserver.kubeconfig import write_kubeconfig
 from kopf_reconcile.testing.emulated_apiserver.registry import ResourceAPI
 from kopf_reconcile.testing.emulated_apiserver.resources import ResourceRegistry
+from kopf_reconcile.testing.emulated_apiserver.reviews import TokenUser
 from kopf_reconcile.testing.emulated_apiserver.server import ApiServer
 from kopf_reconcile.testing.emulated_apiserver.store import Store
 
@@ -74,6 +76,11 @@ class EmbeddedCluster:
             watch_timeout=watch_timeout,
             sharded_list_and_watch=sharded_list_and_watch,
         )
+        # Static tokens for TokenReviews, as the real tier's: an administrator, a nobody.
+        self.admin_token = secrets.token_hex(16)
+        self.unprivileged_token = secrets.token_hex(16)
+        self.add_token(self.admin_token, "admin", ("system:masters",))
+        self.add_token(self.unprivileged_token, "nobody")
         self._runner: web.AppRunner | None = None
         self._tempdir: tempfile.TemporaryDirectory[str] | None = None
         self._url: str | None = None
@@ -139,6 +146,11 @@ class EmbeddedCluster:
         if self._kubeconfig is None:
             raise RuntimeError("the embedded cluster is not started")
         return str(self._kubeconfig)
+
+    def add_token(self, token: str, username: str, groups: tuple[str, ...] = ()) -> None:
+        """Have TokenReviews authenticate ``token`` as ``username`` in ``groups``."""
+        uid = f"embedded-{len(self.server.reviews.tokens)}"
+        self.server.reviews.tokens[token] = TokenUser(username, uid, groups)
 
     def api_client(self) -> ApiClient:
         """A kubernetes-asyncio client for this cluster; the caller closes it."""

@@ -119,6 +119,20 @@ def _storage_hash(resource: ResourceType) -> str:
     return base64.b64encode(hashlib.sha256(seed).digest()[:8]).decode()
 
 
+def _cluster_rbac(kind: str) -> ResourceType:
+    """A cluster-scoped kind of rbac.authorization.k8s.io/v1."""
+    return ResourceType(
+        group="rbac.authorization.k8s.io",
+        version="v1",
+        plural=f"{kind.lower()}s",
+        singular=kind.lower(),
+        kind=kind,
+        namespaced=False,
+        unconditional_update=True,
+        storage_version="v1",
+    )
+
+
 #: The built-in kinds, with their singular names and storage versions (which name the
 #: ``storageVersionHash``) as kube-apiserver v1.37 reports them.
 BUILTIN_TYPES: tuple[ResourceType, ...] = (
@@ -191,6 +205,9 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         tracks_generation=True,
         storage_version="v1",
     ),
+    # Stored for SubjectAccessReviews (see reviews.py); no request of the embedded API
+    # itself is authorized by them.
+    *(_cluster_rbac(kind) for kind in ("ClusterRole", "ClusterRoleBinding")),
 )
 
 

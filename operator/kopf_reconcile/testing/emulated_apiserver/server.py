@@ -54,6 +54,7 @@ from kopf_reconcile.testing.emulated_apiserver.responses import (
     json_response,
     written,
 )
+from kopf_reconcile.testing.emulated_apiserver.reviews import Reviews
 from kopf_reconcile.testing.emulated_apiserver.store import Object
 from kopf_reconcile.testing.emulated_apiserver.watching import WatchStream, WatchStreams
 
@@ -124,6 +125,8 @@ class ApiServer:
             self.app.router.add_get("/api/{version}" + slash, self._core_resources)
             self.app.router.add_route("*", "/apis/{group}" + slash, self._group)
             self.app.router.add_route("*", "/apis/{group}/{version}" + slash, self._group_resources)
+        self.reviews = Reviews(api)
+        self.reviews.add_routes(self.app.router)  # before the resource routes, which match too
         self.app.router.add_route("*", "/api/{version}/{tail:.+}", self._resource_request)
         self.app.router.add_route("*", "/apis/{group}/{version}/{tail:.+}", self._resource_request)
         AdminApi(faults, self.watches, api.store).add_routes(self.app.router)

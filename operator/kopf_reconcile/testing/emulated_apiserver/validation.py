@@ -298,6 +298,8 @@ _TOP_LEVEL_FIELDS: dict[str, frozenset[str]] = {
     "ConfigMap": frozenset({"data", "binaryData", "immutable"}),
     "Secret": frozenset({"data", "stringData", "type", "immutable"}),
     "CustomResourceDefinition": frozenset({"spec", "status"}),
+    "ClusterRole": frozenset({"rules", "aggregationRule"}),
+    "ClusterRoleBinding": frozenset({"subjects", "roleRef"}),
     "Event": frozenset(
         {
             "involvedObject",
