@@ -102,10 +102,14 @@ def test_the_service_account_can_be_given_or_annotated() -> None:
     (account,) = [a for a in of_kind(docs, "ServiceAccount") if a["metadata"]["name"] == "devices"]
     assert account["metadata"]["annotations"] == {"team": "web"}
     docs = render("serviceAccount.create=false", "serviceAccount.name=ops-operator")
-    assert [a["metadata"]["name"] for a in of_kind(docs, "ServiceAccount")] == ["devices-test"]
+    # The chart makes only the helm test's and the metrics scraper's accounts then.
+    made = sorted(a["metadata"]["name"] for a in of_kind(docs, "ServiceAccount"))
+    assert made == ["devices-metrics-scraper", "devices-test"]
     assert pod_spec(docs)["serviceAccountName"] == "ops-operator"
     bindings = of_kind(docs, "RoleBinding") + of_kind(docs, "ClusterRoleBinding")
-    operator_bindings = [b for b in bindings if not b["metadata"]["name"].endswith("-test")]
+    operator_bindings = [
+        b for b in bindings if not b["metadata"]["name"].endswith(("-test", "-metrics-reader"))
+    ]
     assert operator_bindings
     assert all(b["subjects"][0]["name"] == "ops-operator" for b in operator_bindings)
     assert "serviceAccount.name is required" in refusal("serviceAccount.create=false")
