@@ -4,7 +4,8 @@
 each such test runs once per backend:
 
 - ``embedded``: the embedded emulation, fresh for each test;
-- ``real``: kube-apiserver v1.37.2 with etcd (``RealCluster``), one per test
+- ``real``: kube-apiserver v1.37.2 (or the release ``make test K8S=...`` selects) with etcd
+  (``RealCluster``), one per test
   session, so tests isolate themselves by namespace (``kube_namespace``).
 
 Each backend offers ``.url``, ``.kubeconfig``, ``.api_client()`` and
@@ -22,6 +23,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from kopf_reconcile.testing.emulated_apiserver.discovery import EMULATED_VERSION
+from kopf_reconcile.testing.kube_release import has_feature, kube_version, minor_of
 from kopf_reconcile.testing.real_apiserver import RealCluster
 from support import start_tier
 
@@ -40,9 +43,27 @@ async def real_cluster() -> AsyncIterator[RealCluster]:
 
 @pytest.fixture(params=["embedded", pytest.param("real", marks=pytest.mark.real_apiserver)])
 def kube(request: pytest.FixtureRequest) -> Any:
-    """A Kubernetes API: the embedded cluster, then the real API server."""
+    """A Kubernetes API: the embedded cluster, then the real API server.
+
+    On the real tier of a release other than the newest (``make test K8S=1.35``), a test
+    marked ``feature(gate)`` is skipped where that release lacks the gate, and one marked
+    ``v1_37_wording`` (it compares messages word for word with v1.37's, as the embedded API
+    words them) is skipped.
+    """
+    if request.param == "real":
+        skip_on_this_release(request.node)
     fixture = "embedded_cluster" if request.param == "embedded" else "real_cluster"
     return request.getfixturevalue(fixture)
+
+
+def skip_on_this_release(test: pytest.Item) -> None:
+    version = kube_version()
+    for marker in test.iter_markers("feature"):
+        (gate,) = marker.args
+        if not has_feature(gate, version):
+            pytest.skip(f"the real tier runs Kubernetes {version}, which has no {gate} gate")
+    if test.get_closest_marker("v1_37_wording") and minor_of(version) != minor_of(EMULATED_VERSION):
+        pytest.skip(f"worded as {EMULATED_VERSION}; the real tier runs Kubernetes {version}")
 
 
 @pytest_asyncio.fixture

@@ -160,6 +160,7 @@ async def test_managed_fields_are_reset_by_an_empty_entry(
     assert "managedFields" not in (await response.json())["metadata"]
 
 
+@pytest.mark.v1_37_wording
 async def test_apply_checks_the_request(http: aiohttp.ClientSession, lease_url: str) -> None:
     config = lease_config(lease_url, holderIdentity="a")
     response = await http.patch(lease_url, data=config, headers=APPLY)

@@ -16,9 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from widget_kind import Widgets
 
 from kopf_reconcile.sharding import UID_FIELD, fnv1a_64, hash_range, range_of, shard_selector
+
+pytestmark = pytest.mark.feature("ShardedListAndWatch")
 
 HALF = "0x8000000000000000"
 LOW = f"shardRange(object.metadata.uid, '0x0000000000000000', '{HALF}')"

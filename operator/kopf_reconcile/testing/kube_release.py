@@ -112,6 +112,12 @@ def _at_least(version: str, since: str) -> bool:
     return parts(minor_of(version)) >= parts(since)
 
 
+def has_feature(gate: str, version: str | None = None) -> bool:
+    """Whether the test API servers of ``version`` (the selected one) turn ``gate`` on."""
+    since = FEATURE_GATES.get(gate)
+    return since is not None and _at_least(version or kube_version(), since)
+
+
 def apiserver_feature_flags(version: str | None = None) -> list[str]:
     """kube-apiserver's ``--feature-gates`` and ``--runtime-config`` for the tests' needs."""
     version = version or kube_version()
