@@ -88,8 +88,18 @@ async def check_database(dsn: str, source: str, timeout: float) -> str | None:
         ) from None
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         return redact(describe_error(exc))
+    except ValueError:
+        raise unreadable_url(source, dsn) from None
     await connection.close()
     return None
+
+
+def unreadable_url(source: str, dsn: str) -> ConfigError:
+    """A URL asyncpg cannot read: its own message may quote pieces of the password."""
+    return ConfigError(
+        f"{source} ({redact_dsn(dsn)}) cannot be read as a PostgreSQL URL: percent-encode "
+        "'@', ':', '/', '?', '#' and ',' in the user name and password"
+    )
 
 
 class Database:
@@ -177,12 +187,15 @@ class Database:
         if self._closed:
             raise RuntimeError(f"the PostgreSQL adapter for {self.describe()} is closed")
         if self._pool is None:
-            self._pool = await asyncpg.create_pool(
-                self._dsn,
-                min_size=POOL_MIN_SIZE,
-                max_size=POOL_MAX_SIZE,
-                server_settings=self._server_settings or None,
-            )
+            try:
+                self._pool = await asyncpg.create_pool(
+                    self._dsn,
+                    min_size=POOL_MIN_SIZE,
+                    max_size=POOL_MAX_SIZE,
+                    server_settings=self._server_settings or None,
+                )
+            except ValueError:
+                raise unreadable_url("the database URL", str(self._dsn)) from None
         return self._pool
 
     async def _create_schema(self, pool: asyncpg.Pool) -> None:

@@ -89,9 +89,18 @@ def remember_dsn(dsn: str) -> None:
         _remembered.update(found)
 
 
+def _is_url(dsn: str) -> bool:
+    """Whether ``dsn`` is a URL (``scheme://...``), not ``key=value`` text that merely holds
+    a ``://`` in some value (``application_name=http://x``): as libpq and asyncpg decide."""
+    return _URL_START.match(dsn) is not None
+
+
+_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def dsn_secrets(dsn: str) -> list[str]:
     """Every secret asyncpg or libpq would take from ``dsn``, decoded as they decode it."""
-    if "://" in dsn:
+    if _is_url(dsn):
         try:
             return _url_secrets(dsn)
         except ValueError:  # urlparse refuses it (an unclosed '['): all of it is suspect
@@ -109,7 +118,7 @@ def redact_dsn(dsn: str) -> str:
     Text that is not a DSN comes back through :func:`redact`; a DSN that cannot be
     parsed keeps only what surely is no secret (its scheme, or nothing).
     """
-    if "://" in dsn:
+    if _is_url(dsn):
         return _redact_url(dsn)
     if "=" not in dsn:
         return redact(dsn)
@@ -139,6 +148,9 @@ def _url_secrets(dsn: str) -> list[str]:
         meant = parsed.netloc.rpartition("@")[0].partition(":")[2]
         if meant != password:
             secrets += [meant, unquote(meant)]
+            # asyncpg reads the rest as hosts and ports and may echo a piece of it in an
+            # error ("invalid literal for int(): 'tail@host:5432'"): hide each piece too.
+            secrets += [piece for piece in re.split(r"[@:,]", meant) if piece]
     if parsed.query:
         for piece in parsed.query.split("&"):
             name, _, value = piece.partition("=")

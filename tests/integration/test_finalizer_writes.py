@@ -102,3 +102,24 @@ async def test_adding_to_an_object_deleted_since_the_body_was_read_is_refused(
             await writer.add(stale)  # the next reconcile sees it deleting, from the cache
     assert await finalizers(kube, kube_namespace, "going") == ["other/keep"]
     await release(kube, kube_namespace, "going")
+
+
+async def test_two_adds_over_one_stale_body_leave_one_finalizer(
+    kube: Any, kube_namespace: str
+) -> None:
+    # A successor whose cache lags adds over the body its predecessor added over.
+    stale = await configmap(kube, kube_namespace, "twice", finalizers=["other/keep"])
+    async with kube.api_client() as api:
+        for _ in range(2):
+            await FinalizerWriter(NAME, "", "v1", "configmaps", api=api).add(stale)
+    assert await finalizers(kube, kube_namespace, "twice") == ["other/keep", NAME]
+    await release(kube, kube_namespace, "twice")
+
+
+async def test_a_removal_takes_every_copy_of_the_finalizer(kube: Any, kube_namespace: str) -> None:
+    twice = [NAME, "other/keep", NAME]
+    created = await configmap(kube, kube_namespace, "copies", finalizers=twice)
+    async with kube.api_client() as api:
+        await FinalizerWriter(NAME, "", "v1", "configmaps", api=api).remove(created)
+    assert await finalizers(kube, kube_namespace, "copies") == ["other/keep"]
+    await release(kube, kube_namespace, "copies")

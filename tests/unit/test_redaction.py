@@ -230,3 +230,35 @@ def test_free_text_hides_a_remembered_password_however_it_is_rendered() -> None:
     for rendering in (password, quote(password, safe=""), repr(password), quote_plus(password)):
         assert password not in redact(f"asyncpg said: {rendering}!")
         assert quote(password, safe="") not in redact(f"asyncpg said: {rendering}!")
+
+
+def test_key_value_text_holding_a_url_in_a_value_is_not_taken_for_a_url(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dsn = f"host={HOST} password=Hunter2Secret application_name=http://x"
+    assert "Hunter2Secret" not in redact_dsn(dsn)
+    assert "Hunter2Secret" in redaction.dsn_secrets(dsn)
+    monkeypatch.setenv("KOPF_RECONCILE_DATABASE_URL", dsn)
+    for command in (["migrate"], ["dead-letters"]):
+        cli.main(command)
+        shown = capsys.readouterr()
+        assert "Hunter2Secret" not in shown.out + shown.err, command
+
+
+def test_an_unencoded_at_sign_in_the_password_is_refused_and_no_piece_of_it_shown(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # asyncpg ends this password at the first '@', and its error quotes what follows.
+    dsn = "postgresql://app:Sup3r@Secr3t:Tail9zz@127.0.0.1:5432/app"
+    with pytest.raises(ConfigError, match="percent-encode it as %40") as refused:
+        Settings.load({"KOPF_RECONCILE_DATABASE_URL": dsn})
+    for piece in ("Sup3r", "Secr3t", "Tail9zz"):
+        assert piece not in str(refused.value)
+    monkeypatch.setenv("KOPF_RECONCILE_DATABASE_URL", dsn)
+    for command in (["migrate"], ["dead-letters"], ["status"]):
+        cli.main(command)
+        shown = capsys.readouterr()
+        for piece in ("Sup3r", "Secr3t", "Tail9zz"):
+            assert piece not in shown.out + shown.err, command
+    redaction.remember_dsn(dsn)
+    assert "Tail9zz" not in redact("invalid literal for int() with base 10: 'Tail9zz@127.0.0.1'")

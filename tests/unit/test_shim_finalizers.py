@@ -208,3 +208,40 @@ def test_a_bad_finalizer_name_fails_at_decoration(option: object) -> None:
             "", "v1", "configmaps", tenancy=kr.Tenancy.TENANT_SCOPED, finalizer=option,  # type: ignore[arg-type]
             registry=kopf.OperatorRegistry(),
         )(lambda req: None)  # fmt: skip
+
+
+async def test_a_finalizer_stripped_before_any_reconcile_saw_it_is_added_again() -> None:
+    finalizing = Finalizing(RecordingWriter())
+
+    async def cleanup() -> None:
+        return None
+
+    await finalizing.reconcile(configmap(), "ns/site", cleanup)
+    # The add's echo reaches the watch, then another writer strips the finalizer, before any
+    # reconcile saw either (a merge patch of the finalizers from an older body).
+    finalizing.observe("ns/site", configmap(finalizers=[NAME]), deleted=False, selected=True)
+    finalizing.observe("ns/site", configmap(finalizers=["other/x"]), deleted=False, selected=True)
+    await finalizing.reconcile(configmap(finalizers=["other/x"]), "ns/site", cleanup)
+    writer = finalizing.writer
+    assert isinstance(writer, RecordingWriter)
+    assert writer.writes == [("add", "uid-1"), ("add", "uid-1")]
+
+
+def test_two_reconcilers_of_a_kind_cannot_share_a_finalizer() -> None:
+    registry = kopf.OperatorRegistry()
+    common = {"tenancy": kr.Tenancy.TENANT_SCOPED, "leader": None, "fenced": None,
+              "metrics": None, "registry": registry, "finalizer": NAME}  # fmt: skip
+
+    @kr.reconciler("", "v1", "configmaps", labels={"app": "a"}, reconciler_id="a", **common)
+    async def reconcile_a(req: kr.Request) -> None:
+        return None
+
+    with pytest.raises(kr.ConfigError, match="already the finalizer of reconciler 'a'"):
+
+        @kr.reconciler("", "v1", "configmaps", labels={"app": "b"}, reconciler_id="b", **common)
+        async def reconcile_b(req: kr.Request) -> None:
+            return None
+
+    @kr.reconciler("", "v1", "secrets", reconciler_id="c", **common)  # another kind: fine
+    async def reconcile_c(req: kr.Request) -> None:
+        return None

@@ -154,7 +154,14 @@ class FinalizerWriter:
         metadata = body.get("metadata") or {}
         uid_test = {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")}
         if metadata.get("finalizers"):
-            return [uid_test, {"op": "add", "path": "/metadata/finalizers/-", "value": self.name}]
+            # Over the list as seen: a stale body (a lagging cache after a failover) must not
+            # add the finalizer a second time.
+            seen = list(metadata["finalizers"])
+            return [
+                uid_test,
+                {"op": "test", "path": "/metadata/finalizers", "value": seen},
+                {"op": "add", "path": "/metadata/finalizers/-", "value": self.name},
+            ]
         # No list yet: the list is created, only over the version seen.
         return [
             uid_test,
@@ -167,27 +174,29 @@ class FinalizerWriter:
         ]
 
     async def remove(self, body: Mapping[str, Any]) -> None:
-        """Remove the finalizer (after a successful cleanup), at the index it was seen."""
+        """Remove the finalizer (after a successful cleanup), at every index it was seen."""
         metadata = body.get("metadata") or {}
-        index = list(metadata.get("finalizers") or ()).index(self.name)
-        path = f"/metadata/finalizers/{index}"
+        finalizers = list(metadata.get("finalizers") or ())
         patch: list[dict[str, Any]] = [
-            {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")},
-            {"op": "test", "path": path, "value": self.name},
-            {"op": "remove", "path": path},
+            {"op": "test", "path": "/metadata/uid", "value": metadata.get("uid")}
         ]
+        # Highest index first, so each removal leaves the lower ones where they were seen.
+        for index in reversed([i for i, name in enumerate(finalizers) if name == self.name]):
+            path = f"/metadata/finalizers/{index}"
+            patch += [{"op": "test", "path": path, "value": self.name}]
+            patch += [{"op": "remove", "path": path}]
         await self._patch(body, patch, "remove")
 
     async def _patch(self, body: Mapping[str, Any], patch: list[dict[str, Any]], verb: str) -> None:
         metadata = body.get("metadata") or {}
         namespace, name = metadata.get("namespace"), metadata.get("name")
+        api = await self._client.get()  # first: making the client may take a while
         lease = reconcile_lease()
         if lease is not None and not lease.is_live():
             raise StaleEpochError(
                 f"finalizer {verb} on {namespace}/{name} refused locally: the lease of epoch "
                 f"{lease.epoch} is no longer held by this process"
             )
-        api = await self._client.get()
         try:
             await api.call_api(
                 self._path(body),
@@ -254,7 +263,9 @@ class Finalizing:
         """Take one watch event into account; True when the object is outside the selection
         and still carries the finalizer (a reconcile, as gone, releases it)."""
         uid = _uid(body)
-        if deleted:
+        if deleted or has_finalizer(body, self.writer.name):
+            # The add's echo (or the end): from now on a body without the finalizer means
+            # another writer took it away, and the next reconcile adds it again.
             self._adding.discard(uid)
         if deleted or selected or not has_finalizer(body, self.writer.name):
             self._released.pop(entity_id, None)
@@ -273,9 +284,14 @@ class Finalizing:
         if body is not None and has_finalizer(body, name):
             self._adding.discard(uid)  # the cache shows it now
         elif body is not None and not is_deleting(body) and uid not in self._adding:
-            await self.writer.add(body)  # before anything the reconciler creates
+            # Marked before the write, so that its echo, whenever it comes, unmarks it.
             if isinstance(uid, str):
                 self._adding.add(uid)
+            try:
+                await self.writer.add(body)  # before anything the reconciler creates
+            except BaseException:
+                self._adding.discard(uid)
+                raise
         released = self._released.get(entity_id) if body is None else None
         outcome = await call()
         if not finished(outcome):

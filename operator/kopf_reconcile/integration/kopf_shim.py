@@ -769,6 +769,22 @@ def reconciler(
             related=related,
             finalizer=finalizer_name(finalizer, group, rid),
         )
+        shared = [
+            r.reconciler_id
+            for r in _registrations
+            if r.registry is real_registry
+            and options.finalizer is not None
+            and r.options.finalizer == options.finalizer
+            and (r.options.group, r.options.plural) == (group, plural)
+        ]
+        if shared:
+            # Each would take the other's finalizer for its own: the one that does not select
+            # an object would clean up after it and remove it, the other add it back, forever.
+            raise ConfigError(
+                f"finalizer {options.finalizer!r} of reconciler {rid!r} is already the "
+                f"finalizer of reconciler {shared[0]!r} on {plural}.{group}: give each "
+                "reconciler of a kind its own finalizer name"
+            )
         registration = _Registration(reconcile_fn, options, real_registry)
         if leader is not None and leader is not FROM_SETTINGS:
             registration.check_unambiguous()  # a leader is given: refuse it now

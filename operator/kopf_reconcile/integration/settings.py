@@ -395,6 +395,12 @@ def _database_url(source: str, value: object) -> str:
             f"{source} must be a PostgreSQL URL (postgresql://user:password@host:5432/database), "
             f"got {shown!r}"
         )
+    if "@" in urlsplit(value).netloc.partition("@")[2]:
+        # asyncpg ends the password at the first '@' and reads the rest as hosts and ports.
+        raise ConfigError(
+            f"{source} has an '@' in its user name or password ({redact_dsn(value)!r}): "
+            "percent-encode it as %40 (and ':' as %3A, '/' as %2F)"
+        )
     remember_dsn(value)
     return value
 
