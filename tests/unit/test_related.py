@@ -214,3 +214,29 @@ async def test_a_swept_deletion_with_the_identity_only_finds_the_owner_from_the_
         await children.on_event(PAGES, event("DELETED", identity), owners.cache)
         assert owners.requests == ["ns/site", "ns/site"]
         assert len(children) == 0
+
+
+async def test_a_child_whose_controller_moves_or_goes_requests_its_former_owner_too() -> None:
+    children = related(owns=[("", "v1", "configmaps")])
+
+    def child(owner: str | None, uid: str | None) -> dict[str, Any]:
+        body = page("p", None)
+        if owner is not None:
+            body["metadata"]["ownerReferences"] = [{"name": owner, "uid": uid, "controller": True}]
+        return body
+
+    async with Owners() as owners:
+        owners.cache.keep("ns/a", website("a", "uid-a"))
+        owners.cache.keep("ns/b", website("b", "uid-b"))
+        await children.on_event(PAGES, event("ADDED", child("a", "uid-a")), owners.cache)
+        await eventually(lambda: owners.requests == ["ns/a"], message="a requested")
+        await children.on_event(PAGES, event("MODIFIED", child("b", "uid-b")), owners.cache)
+        await eventually(
+            lambda: sorted(owners.requests) == ["ns/a", "ns/a", "ns/b"], message="moved"
+        )
+        await children.on_event(PAGES, event("MODIFIED", child(None, None)), owners.cache)
+        await eventually(
+            lambda: sorted(owners.requests) == ["ns/a", "ns/a", "ns/b", "ns/b"], message="orphaned"
+        )
+        with serving_related(children, owners.cache):
+            assert kr.owned(kr.Request("ns/a")) == kr.owned(kr.Request("ns/b")) == []

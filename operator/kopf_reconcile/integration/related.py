@@ -246,6 +246,7 @@ class RelatedObjects:
         body = event["object"]
         cache = self._children[key]
         held = entity_id in cache
+        before = cache.get(entity_id) if held else None  # names the owner it had
         if event.get("type") == "DELETED" and held:
             # A deletion a relist swept may carry the identity only: the cached body
             # still names the owner (and the labels that selected it).
@@ -261,10 +262,16 @@ class RelatedObjects:
         else:  # outside the selection (it may match again: not marked deleted)
             cache.drop(entity_id, None)
             self._index(key, entity_id, None)
-        if reference is None or not (selected or held):
-            return []  # never selected: not the owner's business
-        owner = _held_owner(body, reference, owners)
-        return [] if owner is None else [owner]
+        targets = []
+        if reference is not None and (selected or held):  # else: not the owner's business
+            owner = _held_owner(body, reference, owners)
+            targets += [] if owner is None else [owner]
+        previous = None if before is None else controller_uid(before)
+        if previous is not None and previous != reference:
+            # Its controller reference moved or went: the former owner lost a child too.
+            former = _held_owner(before, previous, owners)  # type: ignore[arg-type]
+            targets += [] if former is None or former in targets else [former]
+        return targets
 
     def _index(self, key: tuple[str, str], child: str, owner_uid: str | None) -> None:
         """Index ``child`` under its controller owner's uid (None: under no owner)."""
