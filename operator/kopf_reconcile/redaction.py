@@ -142,7 +142,7 @@ def _url_secrets(dsn: str) -> list[str]:
     if at:
         _, _, password = auth.partition(":")
         if password:
-            secrets.append(unquote(password))
+            secrets += [unquote(password), password]  # decoded, and as typed
         # An unencoded '@' in the password: asyncpg takes the part before it, the rest of
         # the password meant runs to the netloc's last '@'.
         meant = parsed.netloc.rpartition("@")[0].partition(":")[2]
@@ -154,7 +154,10 @@ def _url_secrets(dsn: str) -> list[str]:
     if parsed.query:
         for piece in parsed.query.split("&"):
             name, _, value = piece.partition("=")
-            secrets.extend(_setting_secrets(unquote_plus(name), unquote_plus(value)))
+            found = _setting_secrets(unquote_plus(name), unquote_plus(value))
+            secrets.extend(found)
+            if found and value not in found:
+                secrets.append(value)  # as typed too (%65 for e, lowercase escapes)
     if _stray_at(dsn, parsed.netloc):
         # The password meant runs to the last '@': hide it as typed and as decoded.
         userinfo = dsn.partition("://")[2].rpartition("@")[0]

@@ -55,3 +55,15 @@ async def test_a_connection_is_closed_after_its_response() -> None:
         assert answer.startswith(b"HTTP/1.1 200")
     finally:
         await endpoints.stop()
+
+
+async def test_no_answer_names_the_versions_of_python_or_aiohttp() -> None:
+    endpoints = Endpoints("127.0.0.1", 0, ready=lambda: True, report=dict)
+    url = await endpoints.start()
+    try:
+        async with aiohttp.ClientSession(base_url=url) as http:
+            for path in ("/healthz", "/readyz", "/metrics", "/nothing"):
+                async with http.get(path) as response:
+                    assert response.headers["Server"] == "kopf-reconcile", path
+    finally:
+        await endpoints.stop()

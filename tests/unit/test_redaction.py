@@ -262,3 +262,10 @@ def test_an_unencoded_at_sign_in_the_password_is_refused_and_no_piece_of_it_show
             assert piece not in shown.out + shown.err, command
     redaction.remember_dsn(dsn)
     assert "Tail9zz" not in redact("invalid literal for int() with base 10: 'Tail9zz@127.0.0.1'")
+
+
+def test_a_password_is_hidden_as_typed_in_a_non_canonical_encoding() -> None:
+    for typed in ("s%65cretpw", "pa%2fss%2fword"):
+        redaction.remember_dsn(f"postgresql://app:{typed}@{HOST}/app")
+        redaction.remember_dsn(f"postgresql://app@{HOST}/app?password={typed}")
+        assert typed not in redact(f"the URL said {typed} here")

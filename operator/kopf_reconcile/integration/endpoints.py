@@ -78,6 +78,7 @@ class Endpoints:
     async def start(self) -> str:
         """Listen; returns the base URL (with the actual port when 0 was asked for)."""
         app = web.Application()
+        app.on_response_prepare.append(_name_without_versions)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
@@ -147,3 +148,9 @@ class Endpoints:
 
 def _json(status: int, document: object) -> web.Response:
     return web.Response(status=status, text=json.dumps(document), content_type="application/json")
+
+
+async def _name_without_versions(request: web.Request, response: web.StreamResponse) -> None:
+    """A ``Server`` header without versions (aiohttp's names Python's and its own): the port
+    answers strangers, who need not learn them."""
+    response.headers["Server"] = "kopf-reconcile"
