@@ -63,6 +63,12 @@ async def audited_database(server: EmbeddedPostgres, node: PodNode, port: int) -
     return dsn
 
 
+async def assert_no_stale_write(dsn: str, scope: str | None = None) -> None:
+    """The database's audit (of ``scope``, or its only one): no stale write, no epoch regress."""
+    audit.assert_no_stale_writes(await audit.history(dsn, scope))
+    audit.assert_epochs_never_decrease(await audit.applied_writes(dsn, scope))
+
+
 @dataclass
 class Release:
     """One release of the chart in a namespace of its own."""

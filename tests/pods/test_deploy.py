@@ -43,7 +43,7 @@ import pytest
 import pytest_asyncio
 import yaml
 from node import APISERVER_PORT, NODE_IP, PodNode
-from release import audited_database, built_image, pods_dsn
+from release import assert_no_stale_write, audited_database, built_image, pods_dsn
 
 from chart_support import (
     BIN,
@@ -52,7 +52,6 @@ from chart_support import (
     api,
     assert_every_verb_is_needed,
 )
-from kopf_reconcile.testing import audit
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 from support import eventually
 
@@ -208,12 +207,6 @@ async def dead_lettered(deployment: Deployment, count: int) -> bool:
     return any((e.get("count") or 1) >= count for e in json.loads(answer)["items"])
 
 
-async def assert_no_stale_write(deployment: Deployment) -> None:
-    events = await audit.history(deployment.dsn)
-    audit.assert_no_stale_writes(events)
-    audit.assert_epochs_never_decrease(await audit.applied_writes(deployment.dsn))
-
-
 def operator_requests(node: PodNode) -> list[dict[str, Any]]:
     return [e for e in node.audit_events() if e.get("user", {}).get("username") == SERVICE_ACCOUNT]
 
@@ -280,7 +273,7 @@ async def test_installed_replicas_converge_devices_without_a_forbidden_request(
     assert requests, "the audit log shows no request of the chart's ServiceAccount"
     forbidden = [e for e in requests if e.get("responseStatus", {}).get("code") == 403]
     assert not forbidden, f"forbidden: {[(e['verb'], e['requestURI']) for e in forbidden]}"
-    await assert_no_stale_write(deployment)
+    await assert_no_stale_write(deployment.dsn)
 
 
 # A scrape from inside an operator pod, of its own port: the status without a token, then
@@ -391,7 +384,7 @@ async def test_deleting_the_leaders_pod_hands_over_with_a_higher_epoch(
         timeout=60,
         message="the new leader converges new Devices at its epoch",
     )
-    await assert_no_stale_write(deployment)
+    await assert_no_stale_write(deployment.dsn)
 
 
 async def test_helm_upgrade_rolls_every_pod_with_never_two_leaders(
@@ -420,7 +413,7 @@ async def test_helm_upgrade_rolls_every_pod_with_never_two_leaders(
     intervals = [i for pod, log in recorder.logs.items() for i in leaderships(pod, log)]
     assert len({i.pod for i in intervals}) >= 2, intervals  # the lease did move
     assert not overlaps(intervals), overlaps(intervals)
-    await assert_no_stale_write(deployment)
+    await assert_no_stale_write(deployment.dsn)
 
 
 async def _lease_held_by_a_new_pod(deployment: Deployment, old: set[str]) -> bool:
