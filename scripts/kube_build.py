@@ -133,11 +133,11 @@ def version_ldflags(version: str) -> str:
     return " ".join(flags)
 
 
-def reported_version(binary: Path, *args: str) -> str | None:
+def reported_version(binary: Path) -> str | None:
     """What ``binary --version`` prints, or None when it does not run."""
     try:
         result = subprocess.run(
-            [binary, *(args or ("--version",))],
+            [binary, "--version"],
             capture_output=True,
             text=True,
             timeout=60,
