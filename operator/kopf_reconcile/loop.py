@@ -140,6 +140,7 @@ class Loop:
         self._config = config
         self._may_acquire = may_acquire
         self._aside_until = 0.0  # on the event loop's clock: no acquire attempt before it
+        self._aside_reason = ""
         self._name, self._reconciler_id = config.names()
         # An unsharded replica refused for the layout its store records waits, then retries.
         self._layout_wait = LayoutWait(self._name, config.renew_interval, config.rng)
@@ -686,6 +687,12 @@ class Loop:
         return self._layout_wait.open() and (self._may_acquire is None or self._may_acquire())
 
     def _on_lead(self, token: LeaseToken) -> None:
+        holder = self._holder
+        if holder is not None and asyncio.get_running_loop().time() < self._aside_until:
+            # Asked to stand aside while this lease was being taken (the acquire had passed
+            # the gate already): dispatch nothing, give it back at once.
+            holder.step_down_soon(self._aside_reason)
+            return
         if self._durable is not None:
             # The store's dead letters first (bounded: see kopf_reconcile.dead_letters), so
             # neither the resync-all nor a worker runs one before it is known dead; then
@@ -779,6 +786,7 @@ class Loop:
         if holder is None or self._stopping:
             return
         self._aside_until = asyncio.get_running_loop().time() + seconds
+        self._aside_reason = reason
         if holder.leading:
             holder.step_down_soon(reason)
 

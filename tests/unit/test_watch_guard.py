@@ -115,3 +115,33 @@ async def test_the_only_candidate_leads_again_after_the_hold_off() -> None:
             lambda: alone.stats().is_leader and alone.stats().epoch > epoch,
             message="it leads again, in a new term",
         )
+
+
+class SlowAcquire(MemoryLeaseElector):
+    """Takes the lease at once but answers late (a slow round trip)."""
+
+    async def acquire_lease(self, reconciler_id: str) -> kr.LeaseToken:
+        token = await super().acquire_lease(reconciler_id)
+        await asyncio.sleep(0.3)
+        return token
+
+
+async def test_a_stand_aside_during_an_acquire_is_not_lost() -> None:
+    store = MemoryLeaseStore()
+    config = LoopConfig(
+        reconciler=lambda req: None,
+        tenancy=kr.Tenancy.SINGLE_TENANT,
+        triggers=[kr.ChannelTrigger(asyncio.Queue())],
+        leader=SlowAcquire(store, ttl=kr.LeaseTTL(3)),
+        reconciler_id=RID,
+        renew_interval=0.05,
+    )
+    config.validate()
+    loop = Loop(config)
+    async with loop:
+        await eventually(lambda: store.holder(RID) is not None, message="the acquire is in flight")
+        assert not loop.stats().is_leader
+        loop.stand_aside("the watch stayed broken", seconds=60)
+        # The acquire answers now: the Loop must give the lease back, not lead the hold-off.
+        await eventually(lambda: store.holder(RID) in (None, ""), message="the lease is given back")
+        assert not loop.stats().is_leader
