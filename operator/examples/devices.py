@@ -9,7 +9,9 @@ it should be in (``on``, ``off`` or ``standby``). The reconciler
    PostgreSQL: a leader that lost its lease, or a paused old leader, is rejected
    by the database;
 3. patches ``status.observed`` (and ``status.epoch``, the leadership epoch that
-   wrote it) through the status subresource;
+   wrote it) through the status subresource, with the reconcile's fenced client
+   (``kr.fenced_client``): a paused old leader's late patch is refused by the API
+   server itself;
 4. raises ``PermanentError`` for a state outside the vocabulary: retrying cannot
    help, so the Device is dead-lettered until its spec changes.
 
@@ -35,22 +37,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import urllib.request
 from typing import Any
 
-import aiohttp
-import kopf
-from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 import kopf_reconcile as kr
 
 GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
+DEVICES = kr.Resource(GROUP, VERSION, PLURAL)
 POWER_STATES = ("on", "off", "standby")
 HTTP_NOT_FOUND = 404
-
-_api: client.ApiClient | None = None
-_api_lock = asyncio.Lock()
 
 
 def _work_delay() -> float:
@@ -124,54 +120,9 @@ async def reconcile_device(req: kr.Request) -> kr.Result | None:
 
 async def _patch_status(entity_id: str, status: dict[str, Any]) -> None:
     namespace, name = entity_id.split("/", 1)
-    api = client.CustomObjectsApi(await _api_client())
-    # A JSON patch (a list): custom resources take no strategic merge patch.
-    replace_status = [{"op": "add", "path": "/status", "value": status}]
     try:
-        await api.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, replace_status
-        )
+        await kr.fenced_client().patch_status(DEVICES, name, status, namespace=namespace)
     except ApiException as exc:
         if exc.status != HTTP_NOT_FOUND:
             raise
         # Deleted meanwhile: its DELETED event triggers another reconcile.
-
-
-async def _api_client() -> client.ApiClient:
-    """One Kubernetes API client per process: in-cluster credentials, else the kubeconfig."""
-    global _api
-    async with _api_lock:
-        if _api is None:
-            configuration = client.Configuration()
-            if os.environ.get("KUBERNETES_SERVICE_HOST"):
-                config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-            else:
-                await config.load_kube_config(client_configuration=configuration)
-            _api = client.ApiClient(configuration)
-            if configuration.proxy is None and not urllib.request.getproxies():
-                _api.rest_client.pool_manager = _session_without_environment(
-                    _api.rest_client.pool_manager
-                )
-        return _api
-
-
-def _session_without_environment(session: aiohttp.ClientSession) -> aiohttp.ClientSession:
-    """The same connection pool, in a session that does not consult the environment.
-
-    kubernetes-asyncio's session trusts the environment, so aiohttp looks up proxies
-    and ``~/.netrc`` in a thread for every request: a quarter of this operator's CPU
-    per Device. With no proxy configured there is nothing to find (kopf's own client
-    does not trust the environment either).
-    """
-    connector = session.connector
-    session.detach()  # the connector now belongs to the new session
-    return aiohttp.ClientSession(connector=connector, read_bufsize=2**21)  # as the client's
-
-
-@kopf.on.cleanup()
-async def close_api_client(**_: Any) -> None:
-    global _api
-    async with _api_lock:
-        if _api is not None:
-            await _api.close()
-            _api = None

@@ -4,8 +4,10 @@ A ``Website`` (``crds/websites.yaml``) says in ``spec.content`` which page it se
 The reconciler
 
 1. keeps a ConfigMap ``<name>-page`` holding the page, owned by the Website (a
-   controller owner reference): ``owns=`` makes every change to that ConfigMap,
-   its deletion by hand included, reconcile the Website, so it comes back at once;
+   controller owner reference), applied through the reconcile's fenced client
+   (``kr.fenced_client()``: a deposed leader's late write is refused by the API
+   server); ``owns=`` makes every change to that ConfigMap, its deletion by hand
+   included, reconcile the Website, so it comes back at once;
    ``kr.owned(req)`` returns the Website's cached children;
 2. records the Website in the table ``websites`` through the fenced writer (a leader
    that lost its lease is rejected by the database);
@@ -24,17 +26,12 @@ from __future__ import annotations
 from typing import Any
 
 import asyncpg
-import kopf
-from kubernetes_asyncio import client, config
-from kubernetes_asyncio.client.exceptions import ApiException
 
 import kopf_reconcile as kr
 
 GROUP, VERSION, PLURAL = "example.com", "v1", "websites"
+CONFIGMAPS = kr.Resource("", "v1", "configmaps")
 MANAGED_BY = {"app.kubernetes.io/managed-by": "websites-example"}
-HTTP_CONFLICT = 409
-
-_clients: dict[str, client.ApiClient] = {}
 
 
 @kr.reconciler(
@@ -92,49 +89,11 @@ def _delete_row(entity_id: str) -> Any:
 
 
 async def _apply_page(website: dict[str, Any], page: str, content: str) -> None:
-    metadata = website["metadata"]
-    namespace = metadata["namespace"]
     configmap = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            "name": page,
-            "namespace": namespace,
-            "labels": MANAGED_BY,
-            "ownerReferences": [
-                {
-                    "apiVersion": f"{GROUP}/{VERSION}",
-                    "kind": "Website",
-                    "name": metadata["name"],
-                    "uid": metadata["uid"],
-                    "controller": True,
-                }
-            ],
-        },
+        "metadata": {"name": page, "labels": MANAGED_BY},
         "data": {"index.html": content},
     }
-    core = client.CoreV1Api(await _api_client())
-    try:
-        await core.create_namespaced_config_map(namespace, configmap)
-    except ApiException as exc:
-        if exc.status != HTTP_CONFLICT:
-            raise
-        await core.replace_namespaced_config_map(page, namespace, configmap)
-
-
-async def _api_client() -> client.ApiClient:
-    """One Kubernetes API client per process: in-cluster credentials, else the kubeconfig."""
-    if "api" not in _clients:
-        try:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
-        except config.ConfigException:
-            await config.load_kube_config()
-        _clients["api"] = client.ApiClient()
-    return _clients["api"]
-
-
-@kopf.on.cleanup()
-async def close_api_client(**_: Any) -> None:
-    api = _clients.pop("api", None)
-    if api is not None:
-        await api.close()
+    # Server-side apply, owned by the Website (a controller reference), fenced by the lease.
+    await kr.fenced_client().apply(CONFIGMAPS, configmap, owner=website)

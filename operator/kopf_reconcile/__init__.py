@@ -42,6 +42,13 @@ from kopf_reconcile.triggers import ChannelTrigger, TickerTrigger, Trigger
 
 if TYPE_CHECKING:
     from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+    from kopf_reconcile.integration.conditions import set_status_condition
+    from kopf_reconcile.integration.fenced_client import (
+        FencedClient,
+        Resource,
+        fenced_client,
+        owner_reference,
+    )
     from kopf_reconcile.integration.finalizers import is_deleting
     from kopf_reconcile.integration.kopf_shim import reconciler
     from kopf_reconcile.integration.related import Owns, Watches, owned
@@ -56,6 +63,7 @@ __all__ = [
     "DeadLetterStore",
     "EventRecord",
     "EventSink",
+    "FencedClient",
     "FencedRepository",
     "FencedWriter",
     "KubernetesLeaseElector",
@@ -74,6 +82,7 @@ __all__ = [
     "PostgresLeaseElector",
     "Reconciler",
     "Request",
+    "Resource",
     "Result",
     "ShardableRepository",
     "StaleEpochError",
@@ -83,12 +92,15 @@ __all__ = [
     "Watches",
     "cached",
     "event",
+    "fenced_client",
     "fenced_writer",
     "is_deleting",
     "new",
     "owned",
+    "owner_reference",
     "reconciler",
     "register_metrics",
+    "set_status_condition",
 ]
 
 
@@ -100,6 +112,11 @@ _LAZY = {
     "Watches": "kopf_reconcile.integration.related",
     "owned": "kopf_reconcile.integration.related",
     "is_deleting": "kopf_reconcile.integration.finalizers",
+    "FencedClient": "kopf_reconcile.integration.fenced_client",
+    "Resource": "kopf_reconcile.integration.fenced_client",
+    "fenced_client": "kopf_reconcile.integration.fenced_client",
+    "owner_reference": "kopf_reconcile.integration.fenced_client",
+    "set_status_condition": "kopf_reconcile.integration.conditions",
     "KubernetesLeaseElector": "kopf_reconcile.leader.kubernetes",
     "PostgresLeaseElector": "kopf_reconcile.leader.postgres",
     "PostgresFencedRepository": "kopf_reconcile.fencing.postgres",

@@ -170,6 +170,10 @@ class ObjectCache:
     def __contains__(self, entity_id: object) -> bool:
         return entity_id in self._entities
 
+    def entities(self) -> list[str]:
+        """The entity ids held now (a snapshot)."""
+        return list(self._entities)
+
     def get(self, entity_id: str) -> Body | None:
         """A private copy of the latest body of ``entity_id``, or None if it does not exist."""
         incarnations = self._entities.get(entity_id)

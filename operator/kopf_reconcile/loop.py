@@ -452,7 +452,16 @@ class Loop:
         bind_events(self._events)  # kr.event() inside this worker's reconciles
         # The lease of this worker's reconciles: workers live within one term (a lost lease
         # cancels them, the next term spawns new ones), so its epoch is theirs.
-        bind_lease(ReconcileLease(self._epoch(), self._lease_is_live))
+        holder = self._holder
+        bind_lease(
+            ReconcileLease(
+                self._epoch(),
+                self._lease_is_live,
+                lease_id=None if holder is None else self._reconciler_id,
+                holder=None if holder is None else holder.holder_id,
+                count_api_write=self._count_api_write,
+            )
+        )
         while not self._stopping:
             if not queue.dispatching or not queue.ready_count:
                 if not self._running:
@@ -599,6 +608,9 @@ class Loop:
 
     def _count_fenced_write(self, outcome: str) -> None:
         self._metrics.fenced_writes[outcome].inc()
+
+    def _count_api_write(self, outcome: str) -> None:
+        self._metrics.api_writes[outcome].inc()
 
     def _lease_expired(self) -> bool:
         """True (and dispatch closed) once no renewal succeeded within the renew deadline.

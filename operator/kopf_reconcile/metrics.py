@@ -32,6 +32,11 @@ RESULTS = ("success", "error", "requeue_after", "permanent", "fenced", "canceled
 
 FENCED_OUTCOMES = ("accepted", "stale", "error")
 
+API_WRITE_OUTCOMES = ("accepted", "refused_locally", "refused_by_server", "error")
+"""Outcomes of a fenced Kubernetes API write, the values of ``api_writes_total{outcome}``:
+refused before it was sent (the lease was not live), refused by the API server's fence
+(a newer epoch holds the Lease), or any other failure."""
+
 # controller-runtime's reconcile_time_seconds buckets: up to 60 s, because
 # reconciles are slower than the 10 s top of prometheus-client's default.
 RECONCILE_TIME_BUCKETS = (
@@ -66,6 +71,7 @@ class Metrics:
     workqueue_work_duration_seconds: Histogram | None = None
     dead_letter_entities: Gauge | None = None
     fenced_writes_total: Counter | None = None
+    api_writes_total: Counter | None = None
 
 
 def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
@@ -173,6 +179,12 @@ def register_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             [*ctl_shard, "outcome"],
             registry=reg,
         ),
+        api_writes_total=Counter(
+            name("api_writes_total"),
+            "Kubernetes API writes of reconcilers (kopf_reconcile.fenced_client()) per outcome.",
+            [*ctl_shard, "outcome"],
+            registry=reg,
+        ),
     )
 
 
@@ -252,6 +264,9 @@ class BoundMetrics:
         self.dead_letters = gauge(m.dead_letter_entities, controller, shard)
         self.fenced_writes = {
             o: counter(m.fenced_writes_total, controller, shard, o) for o in FENCED_OUTCOMES
+        }
+        self.api_writes = {
+            o: counter(m.api_writes_total, controller, shard, o) for o in API_WRITE_OUTCOMES
         }
         for instrument, fn in (
             (self.depth, depth),

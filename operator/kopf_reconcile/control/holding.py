@@ -108,6 +108,7 @@ class LeaseHolder:
         self._token: LeaseToken | None = None
         self._leading = False
         self._epoch = 0
+        self._holder_id: str | None = None
         self._valid_until = 0.0  # the local lease check: 0 once stepping down
         self._lease_until = 0.0  # a TTL after the last successful renewal was sent
         self._acquiring = False
@@ -121,6 +122,11 @@ class LeaseHolder:
     @property
     def leading(self) -> bool:
         return self._leading
+
+    @property
+    def holder_id(self) -> str | None:
+        """The holder identity of the lease held last (None before any was taken)."""
+        return self._holder_id
 
     @property
     def epoch(self) -> int:
@@ -307,6 +313,7 @@ class LeaseHolder:
     def _lead(self, token: LeaseToken, sent: float) -> None:
         self._early_wakeups = 0
         self._epoch = token.epoch
+        self._holder_id = token.holder_id
         self._valid_until = sent + self._renew_deadline
         self._lease_until = sent + self._ttl
         self._step_down_reason = None

@@ -110,20 +110,38 @@ def mint_writer(
 
 
 class ReconcileLease:
-    """The lease a reconcile was dispatched under: its epoch, and whether it is still held."""
+    """The lease a reconcile was dispatched under: its epoch, and whether it is still held.
 
-    __slots__ = ("_is_live", "epoch")
+    ``lease_id`` names the lease as the elector knows it (the reconciler id, or a shard's
+    ``<id>-shard-<k>``) and ``holder`` the holder identity that took it (both ``None``
+    without a leader); the Kubernetes API client sends them with each write, so the API
+    server can refuse a write whose lease has changed hands since.
+    ``count_api_write`` counts the outcome of each of those writes for the Loop's metrics.
+    """
 
-    def __init__(self, epoch: int, is_live: Callable[[int], bool]) -> None:
+    __slots__ = ("_is_live", "count_api_write", "epoch", "holder", "lease_id")
+
+    def __init__(
+        self,
+        epoch: int,
+        is_live: Callable[[int], bool],
+        *,
+        lease_id: str | None = None,
+        holder: str | None = None,
+        count_api_write: Callable[[str], None] | None = None,
+    ) -> None:
         self.epoch = epoch
         self._is_live = is_live
+        self.lease_id = lease_id
+        self.holder = holder
+        self.count_api_write = count_api_write or (lambda outcome: None)
 
     def is_live(self) -> bool:
         """Whether this process still holds the lease, at this epoch (always True unled)."""
         return self._is_live(self.epoch)
 
     def __repr__(self) -> str:
-        return f"<ReconcileLease epoch={self.epoch}>"
+        return f"<ReconcileLease {self.lease_id} epoch={self.epoch} holder={self.holder}>"
 
 
 _lease: contextvars.ContextVar[ReconcileLease | None] = contextvars.ContextVar(

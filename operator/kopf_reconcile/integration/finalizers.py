@@ -57,16 +57,20 @@ from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kopf_reconcile.api import ConfigError, Result
-from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.fencing.writer import reconcile_lease
 from kopf_reconcile.integration.api_client import LazyApiClient
+from kopf_reconcile.integration.fenced_client import (
+    ClientContext,
+    FencedClient,
+    Resource,
+    fenced_client,
+)
 
 __all__ = ["FinalizerWriter", "Finalizing", "finalizer_name", "has_finalizer", "is_deleting"]
 
 logger = logging.getLogger("kopf_reconcile.finalizers")
 
 HTTP_NOT_FOUND, HTTP_CONFLICT, HTTP_UNPROCESSABLE = 404, 409, 422
-_JSON_PATCH = "application/json-patch+json"
 # A qualified name: an optional DNS-subdomain prefix and '/', then a name of 63 at most.
 _QUALIFIED = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -129,6 +133,7 @@ class FinalizerWriter:
         prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
         self._prefix = prefix
         self._plural = plural
+        self._resource = Resource(group, version, plural)
         self._client = LazyApiClient(api, kubeconfig)
 
     async def add(self, body: Mapping[str, Any]) -> None:
@@ -188,25 +193,18 @@ class FinalizerWriter:
         await self._patch(body, patch, "remove")
 
     async def _patch(self, body: Mapping[str, Any], patch: list[dict[str, Any]], verb: str) -> None:
+        """Through the reconcile's fenced client: refused locally once the lease is not live,
+        and by the API server's fence once it changed hands."""
         metadata = body.get("metadata") or {}
         namespace, name = metadata.get("namespace"), metadata.get("name")
-        api = await self._client.get()  # first: making the client may take a while
-        lease = reconcile_lease()
-        if lease is not None and not lease.is_live():
-            raise StaleEpochError(
-                f"finalizer {verb} on {namespace}/{name} refused locally: the lease of epoch "
-                f"{lease.epoch} is no longer held by this process"
+        try:
+            client = fenced_client()
+        except LookupError:  # outside a reconciler's reconcile: the local check only
+            client = FencedClient(
+                ClientContext(self._client, field_manager=self.name), reconcile_lease()
             )
         try:
-            await api.call_api(
-                self._path(body),
-                "PATCH",
-                header_params={"Content-Type": _JSON_PATCH, "Accept": "application/json"},
-                body=patch,
-                auth_settings=["BearerToken"],
-                response_types_map={200: "object"},
-                _return_http_data_only=True,
-            )
+            await client.patch(self._resource, str(name), patch, namespace=namespace)
         except ApiException as exc:
             if exc.status == HTTP_NOT_FOUND and verb == "remove":
                 return  # gone already: nothing is left to hold

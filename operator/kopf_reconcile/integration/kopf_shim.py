@@ -108,6 +108,7 @@ import enum
 import functools
 import inspect
 import logging
+import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeAlias, TypeVar
@@ -128,7 +129,10 @@ from kopf_reconcile.cache import ObjectCache, Transform, serving, strip_managed_
 from kopf_reconcile.config import DEFAULT_INTERVAL, LoopConfig, validate_name
 from kopf_reconcile.fencing.protocol import FencedRepository
 from kopf_reconcile.integration import settings as process_settings
+from kopf_reconcile.integration.api_client import SharedApiClient, shared_api_client
 from kopf_reconcile.integration.events import KubernetesEventSink
+from kopf_reconcile.integration.fence_lease import LeaseFence
+from kopf_reconcile.integration.fenced_client import ClientContext, serving_client
 from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing, finalizer_name
 from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX, install_quiet_event_handlers
 from kopf_reconcile.integration.naming import derived_reconciler_id, is_generic_name
@@ -141,6 +145,7 @@ from kopf_reconcile.integration.related import (
     serving_related,
 )
 from kopf_reconcile.integration.relisting import ListingTracker
+from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector, kubeconfig_namespace
 from kopf_reconcile.leader.protocol import LeaderElector
 from kopf_reconcile.loop import Loop
 from kopf_reconcile.metrics import Metrics, register_metrics
@@ -263,6 +268,7 @@ class _Registration:
         self.cache: ObjectCache | None = None
         self.related: RelatedObjects | None = None
         self.finalizing: Finalizing | None = None
+        self.client_context: ClientContext | None = None
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
         self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
         # The kopf settings of the operator that started this reconciler: its watch
@@ -319,6 +325,15 @@ class _Registration:
                 repository = await self._resolve("fenced", o.fenced, config.build_fenced_repository)
             cache = ObjectCache(transform=o.cache_transform)
             related = RelatedObjects(o.related, o.cache_transform)
+            api = shared_api_client()
+            self._owned.append(api)
+            fenced = elector is not None and config.api_fence is process_settings.ApiFence.ON
+            client_context = ClientContext(
+                api,
+                field_manager=o.reconciler_id,
+                fence=_lease_fence(elector, api, config) if fenced else None,
+                caches={(o.group, o.plural): cache, **related.caches},
+            )
             if o.finalizer is not None:
                 writer = FinalizerWriter(o.finalizer, o.group, o.version, o.plural)
                 self._owned.append(writer)
@@ -354,11 +369,12 @@ class _Registration:
             loop = builder.build()
             self.cache = cache
             self.related = related
+            self.client_context = client_context
             await loop.start()
             self.loop = loop
             self.settings = settings  # from now on its watch streams feed the cache
         except BaseException:
-            self.cache = self.related = self.finalizing = None
+            self.cache = self.related = self.finalizing = self.client_context = None
             await self._close_owned()
             raise
         logger.info(
@@ -398,7 +414,7 @@ class _Registration:
             if loop is not None:
                 await loop.stop()
         finally:
-            self.cache = self.related = self.finalizing = None
+            self.cache = self.related = self.finalizing = self.client_context = None
             await self._close_owned()
 
     async def probe(self, **_: Any) -> dict[str, object]:
@@ -474,13 +490,13 @@ class _Registration:
     # -- the reconcile the Loop calls ----------------------------------------------------
 
     async def reconcile(self, req: Request) -> object:
-        cache, related = self.cache, self.related
-        if cache is None or related is None:  # stopped between dispatch and now
+        cache, related, client = self.cache, self.related, self.client_context
+        if cache is None or related is None or client is None:  # stopped meanwhile
             return None
         if req.entity_id == RESYNC_ALL:
             cache.request_resync()
             return None
-        with serving(cache), serving_related(related, cache):
+        with serving(cache), serving_related(related, cache), serving_client(client):
             if self.finalizing is None:
                 return await self.fn(req)  # the Loop checks what it returns
             return await self.finalizing.reconcile(
@@ -561,6 +577,20 @@ class _Registration:
                     await result
             except Exception as exc:
                 logger.warning("closing %r failed: %r", adapter, exc)
+
+
+def _lease_fence(
+    elector: LeaderElector, api: SharedApiClient, config: process_settings.Settings
+) -> LeaseFence:
+    """How the reconciler's API writes name their lease: the elector's own Lease, or (for
+    any other elector) a Lease of the same name that mirrors its epoch."""
+    if isinstance(elector, KubernetesLeaseElector):
+        return LeaseFence(api, elector.lease_namespace)
+
+    async def namespace() -> str:
+        return config.pod_namespace or kubeconfig_namespace() or "default"
+
+    return LeaseFence(api, namespace, mirror_ttl_seconds=math.ceil(config.lease_ttl.seconds))
 
 
 def _first_among_cleanups(registry: Any, handler_id: str) -> None:

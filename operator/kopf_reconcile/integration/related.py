@@ -212,6 +212,11 @@ class RelatedObjects:
     def __len__(self) -> int:
         return sum(len(cache) for cache in self._children.values())
 
+    @property
+    def caches(self) -> Mapping[tuple[str, str], ObjectCache]:
+        """The children's cache of each owned resource, by (group, plural)."""
+        return self._children
+
     async def on_event(
         self, key: tuple[str, str], event: Mapping[str, Any], owners: ObjectCache
     ) -> None:

@@ -29,6 +29,11 @@ namespace name. The probes listen on 127.0.0.1 by default, and on all addresses 
 pod (``KUBERNETES_SERVICE_HOST`` set), where the kubelet and Prometheus reach the pod's
 IP, never its loopback.
 
+With a leader, the reconcilers' Kubernetes API writes (``kopf_reconcile.fenced_client()``)
+carry their lease for the API server's fence (``KOPF_RECONCILE_API_FENCE=on``, the default:
+see :mod:`kopf_reconcile.integration.fence_policy`); ``off`` keeps the local check only, for
+clusters without the fence's policy and RBAC.
+
 With a database URL and a leader, every reconcile gets a fenced writer on
 PostgreSQL. Without a leader there is no epoch to fence with, so the database
 URL is then unused (and said so in the startup log).
@@ -65,7 +70,7 @@ if TYPE_CHECKING:
     from kopf_reconcile.integration.watch_guard import BrokenWatchGuard, Candidate
     from kopf_reconcile.leader.protocol import LeaderElector
 
-__all__ = ["ENVIRONMENT", "LeaderKind", "LogFormat", "Settings", "current", "install"]
+__all__ = ["ENVIRONMENT", "ApiFence", "LeaderKind", "LogFormat", "Settings", "current", "install"]
 
 T = TypeVar("T")
 
@@ -100,6 +105,13 @@ class MetricsAuth(enum.Enum):
     KUBERNETES = "kubernetes"  # TokenReview + SubjectAccessReview (see metrics_auth)
 
 
+class ApiFence(enum.Enum):
+    """Whether reconcilers' API writes carry their lease for the API server's fence."""
+
+    ON = "on"  # impersonate with the lease's extras (see integration.fence_policy)
+    OFF = "off"  # the local check only: no impersonation (no fence policy installed)
+
+
 class LogFormat(enum.Enum):
     """How log records are written: one JSON object per line, or plain text."""
 
@@ -128,6 +140,7 @@ ENVIRONMENT: tuple[_Variable, ...] = (
     _Variable("log_format", "KOPF_RECONCILE_LOG_FORMAT", "text | json"),
     _Variable("log_level", "KOPF_RECONCILE_LOG_LEVEL", "DEBUG | INFO | WARNING | ERROR"),
     _Variable("metrics_auth", "KOPF_RECONCILE_METRICS_AUTH", "kubernetes | none"),
+    _Variable("api_fence", "KOPF_RECONCILE_API_FENCE", "on | off: API writes carry the lease"),
     _Variable("metrics_tls_cert", "KOPF_RECONCILE_METRICS_TLS_CERT", "PEM certificate of /metrics"),
     _Variable("metrics_tls_key", "KOPF_RECONCILE_METRICS_TLS_KEY", "PEM key of that certificate"),
 )
@@ -153,6 +166,7 @@ class Settings:
     metrics_auth: MetricsAuth = MetricsAuth.NONE
     metrics_tls_cert: str | None = None
     metrics_tls_key: str | None = None
+    api_fence: ApiFence = ApiFence.ON
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **arguments: Any) -> Settings:
@@ -200,6 +214,7 @@ class Settings:
             metrics_auth=parsed("metrics_auth", _enum(MetricsAuth), MetricsAuth.NONE),
             metrics_tls_cert=parsed("metrics_tls_cert", _text, None),
             metrics_tls_key=parsed("metrics_tls_key", _text, None),
+            api_fence=parsed("api_fence", _enum(ApiFence), ApiFence.ON),
         )
         settings._check_consistency(raw)
         return settings

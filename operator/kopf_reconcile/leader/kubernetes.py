@@ -270,6 +270,10 @@ class KubernetesLeaseElector(AsyncClosing):
         """Where the Leases live; ``None`` until first use when it comes from the configuration."""
         return self._namespace
 
+    async def lease_namespace(self) -> str:
+        """Where the Leases live, resolved from the configuration if need be."""
+        return await self._resolved_namespace()
+
     def use_epoch_floor(self, reconciler_id: str, source: EpochFloor) -> None:
         """Seed Leases this elector creates above ``await source()`` (the highest epoch used)."""
         self._epochs.use_floor(reconciler_id, source)
@@ -829,6 +833,11 @@ async def _connect(kubeconfig: str | None) -> tuple[ApiClient, str | None]:
 
 def _default_kubeconfig() -> str:
     return os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+
+
+def kubeconfig_namespace(path: str | None = None) -> str | None:
+    """The current context's namespace in a kubeconfig (default: the default kubeconfig)."""
+    return _kubeconfig_namespace(path)
 
 
 def _kubeconfig_namespace(path: str | None) -> str | None:

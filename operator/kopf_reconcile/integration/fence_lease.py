@@ -1,0 +1,227 @@
+"""What a fenced API write carries: who the operator is, and the Lease it leads under.
+
+:class:`LeaseFence` turns a reconcile's :class:`~kopf_reconcile.fencing.writer.ReconcileLease`
+into the headers of a fenced write (:mod:`.fence_policy` explains the policy that reads
+them): the operator impersonates its own identity, as a ``SelfSubjectReview`` reports it
+once per process, and adds the Lease (``<namespace>/<lease id>``), the holder and the epoch
+as user extras. A ServiceAccount is impersonated by its username alone (the API server
+adds its groups itself, and the account needs no right to impersonate groups); any other
+user with its groups.
+
+Which Lease. With the Kubernetes elector it is the elector's own Lease, which a takeover
+moves to the next epoch atomically. With the PostgreSQL elector no Lease elects anyone,
+so the leader *mirrors* its epoch into a Lease of the same name (labelled like the
+elector's, so the policy's binding selects it) before its first write of a term: read it,
+refuse (:class:`~kopf_reconcile.StaleEpochError`) when it shows a higher epoch or the same
+epoch for another holder, else replace it conditionally on the version read (a racing
+writer makes it read again). Epochs from the database only grow, and the mirror only
+moves forward: from the moment the new leader mirrored its epoch, before it wrote
+anything to the API, the API server refuses the old leader's writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kubernetes_asyncio.client.exceptions import ApiException
+from multidict import CIMultiDict
+
+from kopf_reconcile.fencing.protocol import StaleEpochError
+from kopf_reconcile.fencing.writer import ReconcileLease
+from kopf_reconcile.integration.api_client import ApiClientSource
+from kopf_reconcile.integration.fence_policy import (
+    EPOCH_EXTRA,
+    HOLDER_EXTRA,
+    LEASE_EXTRA,
+    MANAGED_BY_SELECTOR,
+)
+
+__all__ = ["Identity", "LeaseFence", "request"]
+
+SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
+_AUTHENTICATED = "system:authenticated"
+_MAX_EPOCH = 2**31 - 1  # spec.leaseTransitions is an int32
+HTTP_NOT_FOUND, HTTP_CONFLICT = 404, 409
+_MIRROR_ATTEMPTS = 5
+
+
+class Identity:
+    """Who the operator is to the API server, and the headers that act as that user."""
+
+    __slots__ = ("groups", "username")
+
+    def __init__(self, username: str, groups: tuple[str, ...]) -> None:
+        self.username = username
+        self.groups = groups
+
+    def headers(self, extras: dict[str, str]) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict({"Impersonate-User": self.username})
+        if not self.username.startswith(SERVICE_ACCOUNT_PREFIX):
+            for group in self.groups:
+                if group != _AUTHENTICATED:  # added by the API server itself
+                    headers.add("Impersonate-Group", group)
+        for key, value in extras.items():
+            headers.add(f"Impersonate-Extra-{urllib.parse.quote(key, safe='')}", value)
+        return headers
+
+    def __repr__(self) -> str:
+        return f"<Identity {self.username} groups={list(self.groups)}>"
+
+
+async def request(
+    client: ApiClientSource,
+    method: str,
+    path: str,
+    *,
+    body: object = None,
+    query: list[tuple[str, str]] | None = None,
+    headers: CIMultiDict[str] | None = None,
+    content_type: str = "application/json",
+) -> Any:
+    """One request to the API server; its JSON answer (an ``ApiException`` for non-2xx)."""
+    api = await client.get()
+    # A multi-valued mapping: impersonated groups repeat one header (typed as a dict there).
+    sent: Any = CIMultiDict(headers or {})
+    sent["Content-Type"] = content_type
+    sent["Accept"] = "application/json"
+    queries: Any = list(query or ())
+    await api.update_params_for_auth(sent, queries, ["BearerToken"])
+    response = await api.rest_client.request(
+        method, f"{api.configuration.host}{path}", query_params=queries, headers=sent, body=body
+    )
+    return json.loads(response.data) if response.data else None
+
+
+class LeaseFence:
+    """The headers of fenced writes under the Leases of one namespace."""
+
+    def __init__(
+        self,
+        client: ApiClientSource,
+        namespace: Callable[[], Awaitable[str]],
+        *,
+        mirror_ttl_seconds: int | None = None,
+    ) -> None:
+        """``mirror_ttl_seconds`` set: the electing store is not a Lease; mirror epochs."""
+        self._client = client
+        self._namespace = namespace
+        self._mirror_ttl = mirror_ttl_seconds
+        self._identity: Identity | None = None
+        self._mirrored: dict[str, tuple[int, str]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def mirrors(self) -> bool:
+        return self._mirror_ttl is not None
+
+    async def identity(self) -> Identity:
+        if self._identity is None:
+            review = await request(
+                self._client,
+                "POST",
+                "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                body={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+            )
+            info = (review.get("status") or {}).get("userInfo") or {}
+            self._identity = Identity(str(info.get("username", "")), tuple(info.get("groups", ())))
+        return self._identity
+
+    async def headers(self, lease: ReconcileLease) -> CIMultiDict[str]:
+        """Impersonation headers naming ``lease``, its holder and epoch (mirrored first)."""
+        assert lease.lease_id is not None and lease.holder is not None
+        namespace = await self._namespace()
+        if self._mirror_ttl is not None:
+            await self._mirror(namespace, lease.lease_id, lease.holder, lease.epoch)
+        identity = await self.identity()
+        return identity.headers(
+            {
+                LEASE_EXTRA: f"{namespace}/{lease.lease_id}",
+                HOLDER_EXTRA: lease.holder,
+                EPOCH_EXTRA: str(lease.epoch),
+            }
+        )
+
+    # -- the mirror of a PostgreSQL lease ----------------------------------------------
+
+    async def _mirror(self, namespace: str, name: str, holder: str, epoch: int) -> None:
+        if self._mirrored.get(name) == (epoch, holder):
+            return
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            if self._mirrored.get(name) == (epoch, holder):
+                return
+            if epoch > _MAX_EPOCH:
+                raise StaleEpochError(
+                    f"epoch {epoch} of {name!r} does not fit in a Lease's spec.leaseTransitions "
+                    f"(at most {_MAX_EPOCH}): the API server's fence cannot record it"
+                )
+            await self._advance(namespace, name, holder, epoch)
+            self._mirrored[name] = (epoch, holder)
+
+    async def _advance(self, namespace: str, name: str, holder: str, epoch: int) -> None:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+        for _ in range(_MIRROR_ATTEMPTS):
+            try:
+                lease = await request(self._client, "GET", f"{path}/{name}")
+            except ApiException as exc:
+                if exc.status != HTTP_NOT_FOUND:
+                    raise
+                lease = None
+            record = self._record(namespace, name, holder, epoch, lease)
+            if record is None:
+                return  # it shows this holder at this epoch already
+            try:
+                if lease is None:
+                    await request(self._client, "POST", path, body=record)
+                else:
+                    await request(self._client, "PUT", f"{path}/{name}", body=record)
+            except ApiException as exc:
+                if exc.status in (HTTP_CONFLICT, HTTP_NOT_FOUND):
+                    continue  # someone wrote it meanwhile: read it again
+                raise
+            return
+        raise StaleEpochError(
+            f"lease {namespace}/{name}: its epoch could not be mirrored after "
+            f"{_MIRROR_ATTEMPTS} conflicting writes; the API write was not sent"
+        )
+
+    def _record(
+        self, namespace: str, name: str, holder: str, epoch: int, lease: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The Lease to write, None when it is current; StaleEpochError when it is ahead."""
+        if lease is not None:
+            spec = lease.get("spec") or {}
+            shown = int(spec.get("leaseTransitions") or 0)
+            shown_holder = spec.get("holderIdentity") or ""
+            if shown > epoch or (shown == epoch and shown_holder != holder):
+                raise StaleEpochError(
+                    f"lease {namespace}/{name} shows epoch {shown} held by "
+                    f"{shown_holder or 'nobody'}: epoch {epoch} of {holder} is no longer current"
+                )
+            if shown == epoch:
+                return None
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        metadata: dict[str, Any] = {
+            "name": name,
+            "namespace": namespace,
+            "labels": {**MANAGED_BY_SELECTOR, "kopf-reconcile/fence-mirror": "true"},
+        }
+        if lease is not None:
+            metadata["resourceVersion"] = lease["metadata"]["resourceVersion"]
+        return {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": metadata,
+            "spec": {
+                "holderIdentity": holder,
+                "leaseTransitions": epoch,
+                "leaseDurationSeconds": self._mirror_ttl,
+                "acquireTime": now,
+                "renewTime": now,
+            },
+        }
