@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from kopf_reconcile.api import ConfigError
-from kopf_reconcile.commands import dev, init
+from kopf_reconcile.commands import dev, fence_policy, init
 from kopf_reconcile.database import redact_dsn
 from kopf_reconcile.integration import logs, shard_leases
 from kopf_reconcile.integration import settings as process_settings
@@ -298,6 +298,7 @@ def _parser() -> argparse.ArgumentParser:
     # Commands in modules of their own (kopf_reconcile.commands.<command>).
     init.add_parser(commands)
     dev.add_parser(commands)
+    fence_policy.add_parser(commands)
     return parser
 
 
