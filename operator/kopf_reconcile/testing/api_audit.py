@@ -1,0 +1,175 @@
+"""Stale writes to the Kubernetes API, counted from the API server's own record (its audit log).
+
+The promise checked. A reconciler's write through ``kr.fenced_client()`` carries its Lease,
+holder and epoch as user extras (``kopf-reconcile.io/lease``, ``/holder``, ``/epoch``; the
+audit log shows them under ``impersonatedUser.extra``). A write is *stale* when the API
+server admitted it (a 2xx answer) after it had already recorded a newer term of that
+Lease: a write of the Lease itself showing a higher epoch, or the same epoch under another
+holder (the takeover), or an admitted fenced write of a higher epoch. Order is the order of
+the log: the API server writes each request's line when it answers (stage
+``ResponseComplete``).
+
+The log is JSON lines in the ``audit.k8s.io/v1`` Event format, as kube-apiserver writes it
+with ``--audit-log-path`` (Lease writes at level ``RequestResponse``, so their
+``responseObject`` shows the Lease after the write) and as the embedded API writes it with
+``audit_log=``. :func:`api_writes` reads the fenced writes, :func:`lease_terms` the Leases'
+terms, :func:`stale_api_writes` finds the stale ones and :func:`assert_no_stale_api_writes`
+fails naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = [
+    "ApiWrite",
+    "LeaseTerm",
+    "api_writes",
+    "assert_no_stale_api_writes",
+    "lease_terms",
+    "refused_api_writes",
+    "stale_api_writes",
+]
+
+LEASE, HOLDER, EPOCH = (
+    "kopf-reconcile.io/lease",
+    "kopf-reconcile.io/holder",
+    "kopf-reconcile.io/epoch",
+)
+_WRITES = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiWrite:
+    """One fenced write the API server answered."""
+
+    seq: int  # its line in the log
+    lease: str  # <namespace>/<name>
+    holder: str
+    epoch: int
+    code: int
+    verb: str
+    what: str  # resource[/subresource] namespace/name
+
+    @property
+    def admitted(self) -> bool:
+        return 200 <= self.code < 300
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseTerm:
+    """A Lease as a successful write of it left it."""
+
+    seq: int
+    lease: str
+    holder: str
+    epoch: int
+
+
+def _events(path: str | Path) -> Iterator[tuple[int, dict[str, object]]]:
+    with open(path, encoding="utf-8") as log:
+        for seq, raw in enumerate(log):
+            text = raw.strip()
+            if not text:
+                continue
+            try:
+                event = json.loads(text)
+            except ValueError:
+                continue  # a line cut short as the log is being written
+            if event.get("stage", "ResponseComplete") == "ResponseComplete":
+                yield seq, event
+
+
+def _code(event: dict[str, object]) -> int:
+    status = event.get("responseStatus")
+    return int(status.get("code", 0)) if isinstance(status, dict) else 0
+
+
+def api_writes(path: str | Path) -> list[ApiWrite]:
+    """Every fenced write in the log (admitted or not), in the log's order."""
+    writes = []
+    for seq, event in _events(path):
+        if event.get("verb") not in _WRITES:
+            continue
+        user = event.get("impersonatedUser")
+        extra = user.get("extra") if isinstance(user, dict) else None
+        if not isinstance(extra, dict) or not all(k in extra for k in (LEASE, HOLDER, EPOCH)):
+            continue
+        ref = event.get("objectRef") if isinstance(event.get("objectRef"), dict) else {}
+        assert isinstance(ref, dict)
+        resource = "/".join(filter(None, (ref.get("resource"), ref.get("subresource"))))
+        where = "/".join(filter(None, (ref.get("namespace"), ref.get("name"))))
+        try:
+            epoch = int(extra[EPOCH][0])
+        except (ValueError, IndexError, TypeError):
+            epoch = -1
+        writes.append(
+            ApiWrite(
+                seq=seq,
+                lease=str(extra[LEASE][0]),
+                holder=str(extra[HOLDER][0]),
+                epoch=epoch,
+                code=_code(event),
+                verb=str(event.get("verb")),
+                what=f"{resource} {where}",
+            )
+        )
+    return writes
+
+
+def refused_api_writes(path: str | Path) -> list[ApiWrite]:
+    """The fenced writes the API server refused with 403 Forbidden (its fence)."""
+    return [w for w in api_writes(path) if w.code == 403]
+
+
+def lease_terms(path: str | Path) -> list[LeaseTerm]:
+    """Every successful write of a Lease whose result the log shows, in the log's order."""
+    terms = []
+    for seq, event in _events(path):
+        ref = event.get("objectRef")
+        if not isinstance(ref, dict) or ref.get("resource") != "leases":
+            continue
+        if ref.get("apiGroup") != "coordination.k8s.io" or not 200 <= _code(event) < 300:
+            continue
+        lease = event.get("responseObject")
+        if not isinstance(lease, dict) or lease.get("kind") != "Lease":
+            continue
+        metadata, spec = lease.get("metadata") or {}, lease.get("spec") or {}
+        terms.append(
+            LeaseTerm(
+                seq=seq,
+                lease=f"{metadata.get('namespace')}/{metadata.get('name')}",
+                holder=str(spec.get("holderIdentity") or ""),
+                epoch=int(spec.get("leaseTransitions") or 0),
+            )
+        )
+    return terms
+
+
+def stale_api_writes(path: str | Path) -> list[ApiWrite]:
+    """Admitted fenced writes made after the API server had recorded a newer term."""
+    newest: dict[str, tuple[int, str]] = {}  # lease -> the newest (epoch, holder) recorded
+    stale = []
+    events: list[tuple[int, LeaseTerm | ApiWrite]] = [(t.seq, t) for t in lease_terms(path)]
+    events += [(w.seq, w) for w in api_writes(path) if w.admitted]
+    for _, event in sorted(events, key=lambda pair: pair[0]):
+        seen = newest.get(event.lease)
+        if isinstance(event, ApiWrite) and seen is not None:
+            epoch, holder = seen
+            if event.epoch < epoch or (event.epoch == epoch and event.holder != holder):
+                stale.append(event)
+                continue
+        if isinstance(event, LeaseTerm) and not event.holder:
+            continue  # released: the next term is above it, nothing newer was recorded
+        if seen is None or event.epoch >= seen[0]:
+            newest[event.lease] = (event.epoch, event.holder)
+    return stale
+
+
+def assert_no_stale_api_writes(path: str | Path) -> None:
+    """Fail, naming them, when the API server admitted any stale write."""
+    stale = stale_api_writes(path)
+    assert not stale, "stale API writes admitted:\n" + "\n".join(map(str, stale))
