@@ -26,6 +26,15 @@ the next fenced write pause the whole process (it sends itself SIGSTOP) after th
 writer's local lease check and before the repository call, the worst moment for
 a garbage-collection pause; on SIGCONT the write goes out with the epoch it had,
 and is answered even if the Loop cancels the reconcile meanwhile.
+
+With ``--api-namespace NS`` the reconcile of ``work`` writes to the Kubernetes API instead,
+through a fenced client (``kr.FencedClient``: the lease's epoch sent for the API server's
+fence): it patches the ConfigMap ``work`` of NS every 50 ms (``wrote``). SIGUSR1 then arms
+a *late* write of the kind ``--late`` names (``status``: a status patch of the Gadget
+``work`` of ``--gadgets GROUP``; ``create``: the ConfigMap ``late``; ``update``: the key
+``late`` into ConfigMap ``work``; ``delete``: the ConfigMap ``victim``), which pauses the
+process after the client's local check and before the request is sent (``pausing``), then
+goes out (``answered`` with ``accepted`` and, if refused, ``reason``).
 """
 
 from __future__ import annotations
@@ -41,8 +50,14 @@ import sys
 import time
 from typing import Any
 
+from kubernetes_asyncio.client import ApiClient
+
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.fencing.writer import reconcile_lease
+from kopf_reconcile.integration.api_client import LazyApiClient
+from kopf_reconcile.integration.fence_lease import LeaseFence
+from kopf_reconcile.integration.fenced_client import ClientContext, FencedClient
 from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.sharded_loop import ShardedLoop
@@ -115,7 +130,52 @@ class PausingRepository:
         return accepted
 
 
-def make_reconcile(report: Reporter, work: bool) -> Any:
+class PausingApi:
+    """The API client of the replica's fenced writes; once armed, the next request it serves
+    stops the process first (after the fenced client's local check, before sending)."""
+
+    def __init__(self, kubeconfig: str, report: Reporter) -> None:
+        self.inner = LazyApiClient(kubeconfig=kubeconfig)
+        self.armed = False
+        self._report = report
+
+    async def get(self) -> ApiClient:
+        if self.armed:
+            self.armed = False
+            self._report("pausing")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return await self.inner.get()
+
+
+CONFIGMAPS = kr.Resource("", "v1", "configmaps")
+
+
+async def late_write(client: FencedClient, kind: str, namespace: str, gadgets: str) -> None:
+    """The write a paused leader makes when it wakes up."""
+    if kind == "status":
+        resource = kr.Resource(gadgets, "v1", "gadgets")
+        await client.patch_status(resource, WORK, {"late": True}, namespace=namespace)
+    elif kind == "create":
+        await client.create(CONFIGMAPS, {"metadata": {"name": "late", "namespace": namespace}})
+    elif kind == "update":
+        await client.patch(CONFIGMAPS, WORK, {"data": {"late": "yes"}}, namespace=namespace)
+    else:
+        await client.delete(CONFIGMAPS, "victim", namespace=namespace)
+
+
+def make_reconcile(
+    report: Reporter, work: bool, api: PausingApi | None = None, args: Any = None
+) -> Any:
+    context = None
+    if api is not None:
+
+        async def namespace() -> str:
+            return str(args.namespace)
+
+        mirror = None if args.elector == "kubernetes" else int(args.ttl)
+        fence = LeaseFence(api, namespace, mirror_ttl_seconds=mirror)
+        context = ClientContext(api, field_manager="replica", fence=fence)
+
     async def reconcile(req: kr.Request) -> None:
         writer = kr.fenced_writer()
         assert writer is not None
@@ -126,6 +186,9 @@ def make_reconcile(report: Reporter, work: bool) -> Any:
         try:
             if req.entity_id == WAIT:
                 await asyncio.Event().wait()
+            if context is not None:
+                await write_to_the_api(FencedClient(context, reconcile_lease()), epoch)
+                return
             for n in range(1, sys.maxsize):
                 try:
                     await writer.write(WORK, {"n": n, "epoch": epoch})
@@ -137,6 +200,36 @@ def make_reconcile(report: Reporter, work: bool) -> Any:
         except asyncio.CancelledError:
             report("cancelled", entity=req.entity_id, epoch=epoch)
             raise
+
+    async def write_to_the_api(client: FencedClient, epoch: int) -> None:
+        assert api is not None
+        for n in range(1, sys.maxsize):
+            if api.armed:  # this write pauses, then goes out whatever the Loop does meanwhile
+                write = asyncio.ensure_future(
+                    late_write(client, args.late, args.api_namespace, args.gadgets)
+                )
+                try:
+                    await asyncio.shield(write)
+                except BaseException:
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(write)
+                    error = write.exception() if write.done() and not write.cancelled() else None
+                    report("answered", epoch=epoch, accepted=error is None, reason=str(error))
+                    raise
+                report("answered", epoch=epoch, accepted=True, reason="")
+                continue
+            try:
+                await client.patch(
+                    CONFIGMAPS,
+                    WORK,
+                    {"data": {"n": str(n), "epoch": str(epoch)}},
+                    namespace=args.api_namespace,
+                )
+            except kr.StaleEpochError as exc:
+                report("refused", entity=WORK, epoch=epoch, reason=str(exc))
+                raise
+            report("wrote", entity=WORK, epoch=epoch, n=n)
+            await asyncio.sleep(WRITE_EVERY)
 
     return reconcile
 
@@ -170,8 +263,11 @@ async def run(args: argparse.Namespace) -> None:
         else PostgresFencedRepository(args.fence_dsn)
     )
     repository = PausingRepository(fenced, report)
+    api = None
+    if args.api_namespace is not None:
+        api = PausingApi(args.kubeconfig, report)
     loop = (
-        kr.Builder(make_reconcile(report, args.work), kr.Tenancy.SINGLE_TENANT)
+        kr.Builder(make_reconcile(report, args.work, api, args), kr.Tenancy.SINGLE_TENANT)
         .with_trigger(kr.ChannelTrigger(requests))
         .with_leader(elector)
         .with_fenced_repo(repository)
@@ -184,7 +280,7 @@ async def run(args: argparse.Namespace) -> None:
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
     asyncio.get_running_loop().add_signal_handler(
-        signal.SIGUSR1, lambda: setattr(repository, "armed", True)
+        signal.SIGUSR1, lambda: setattr(api or repository, "armed", True)
     )
     await loop.start()
     status = asyncio.create_task(report_leadership(loop, report))
@@ -200,6 +296,8 @@ async def run(args: argparse.Namespace) -> None:
         await elector.close()
         if isinstance(fenced, PostgresFencedRepository):
             await fenced.close()
+        if api is not None:
+            await api.inner.close()
     report("stopped")
 
 
@@ -217,7 +315,14 @@ def main(argv: list[str] | None = None) -> int:
         "--no-work", dest="work", action="store_false", help="no long-running reconcile"
     )
     parser.add_argument("--shards", type=int, default=1, help="shards (needs --fence-dsn)")
+    parser.add_argument("--api-namespace", help="write to the Kubernetes API there (--kubeconfig)")
+    parser.add_argument(
+        "--late", choices=["status", "create", "update", "delete"], default="update"
+    )
+    parser.add_argument("--gadgets", default="", help="the group of the Gadgets (--late status)")
     args = parser.parse_args(argv)
+    if args.api_namespace is not None and not args.kubeconfig:
+        parser.error("--api-namespace needs --kubeconfig")
     if args.elector == "kubernetes" and not args.kubeconfig:
         parser.error("--elector kubernetes needs --kubeconfig")
     if args.elector == "postgres" and not args.dsn:
