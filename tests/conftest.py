@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
+from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from kopf_reconcile.testing.emulated_apiserver.discovery import EMULATED_VERSION
 from kopf_reconcile.testing.kube_release import has_feature, kube_version, minor_of
 from kopf_reconcile.testing.real_apiserver import RealCluster
@@ -34,7 +36,9 @@ SKIP_REAL_VARIABLE = "KOPF_RECONCILE_SKIP_REAL_APISERVER"
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def real_cluster() -> AsyncIterator[RealCluster]:
     """The real kube-apiserver tier, started once per test session."""
-    cluster = await start_tier(RealCluster(), "real kube-apiserver tier", SKIP_REAL_VARIABLE)
+    # Its audit log (kube_audit_log) costs a line per write.
+    tier = RealCluster(audit_log=True)
+    cluster = await start_tier(tier, "real kube-apiserver tier", SKIP_REAL_VARIABLE)
     try:
         yield cluster
     finally:
@@ -64,6 +68,18 @@ def skip_on_this_release(test: pytest.Item) -> None:
             pytest.skip(f"the real tier runs Kubernetes {version}, which has no {gate} gate")
     if test.get_closest_marker("v1_37_wording") and minor_of(version) != minor_of(EMULATED_VERSION):
         pytest.skip(f"worded as {EMULATED_VERSION}; the real tier runs Kubernetes {version}")
+
+
+@pytest.fixture
+def kube_audit_log(kube: Any, tmp_path: Path) -> Path:
+    """The path of ``kube``'s audit log (JSON lines of audit.k8s.io/v1 Events, one per write,
+    in order of completion): the shared real tier's, or one the embedded cluster starts
+    for this test."""
+    if isinstance(kube, EmbeddedCluster) and kube.audit_log is None:
+        kube.enable_audit_log(tmp_path / "audit.log")
+    path: Path | None = kube.audit_log
+    assert path is not None
+    return path
 
 
 @pytest_asyncio.fixture

@@ -50,6 +50,22 @@ ADMIN_USER = "admin"
 UNPRIVILEGED_USER = "nobody"
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"  # allocated in etcd only; nothing is routed there
 
+#: What the audit log records (the embedded API's ``audit_log`` records the same): no reads;
+#: writes of Leases with their request and response bodies; other writes, their metadata.
+AUDIT_POLICY: dict[str, Any] = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived", "ResponseStarted", "Panic"],
+    "rules": [
+        {"level": "None", "verbs": ["get", "list", "watch"]},
+        {
+            "level": "RequestResponse",
+            "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}],
+        },
+        {"level": "Metadata"},
+    ],
+}
+
 #: Tells, over a given HTTP session, whether a starting server is ready.
 ReadinessCheck = Callable[[aiohttp.ClientSession], Awaitable[bool]]
 
@@ -156,10 +172,14 @@ class RealCluster:
         etcd: Path | None = None,
         ready_timeout: float = 90.0,
         feature_flags: list[str] | None = None,
+        audit_log: bool = False,
     ) -> None:
         """``feature_flags`` replace the tests' ``--feature-gates`` and ``--runtime-config``
         (:func:`~kopf_reconcile.testing.kube_release.apiserver_feature_flags`): ``[]`` runs
-        the server with its defaults, as a cluster without the alpha gates is."""
+        the server with its defaults, as a cluster without the alpha gates is.
+
+        ``audit_log``: keep an audit log (:attr:`audit_log`) by :data:`AUDIT_POLICY`."""
+        self._audit = audit_log
         self.apiserver_path = apiserver or apiserver_binary()
         self.feature_flags = (
             apiserver_feature_flags(KUBE_VERSION) if feature_flags is None else feature_flags
@@ -188,6 +208,12 @@ class RealCluster:
     def unprivileged_kubeconfig(self) -> str:
         """The path of a kubeconfig for a user who has no rights beyond discovery."""
         return str(self._dir / "kubeconfig-unprivileged")
+
+    @property
+    def audit_log(self) -> Path | None:
+        """The audit log (JSON lines of audit.k8s.io/v1 Events, by :data:`AUDIT_POLICY`,
+        written as each request completes), if the cluster keeps one."""
+        return self._dir / "audit.log" if self._audit else None
 
     @property
     def ca_file(self) -> Path:
@@ -284,6 +310,7 @@ class RealCluster:
                 "--authorization-mode=RBAC",
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--endpoint-reconciler-type=none",
+                *self._audit_flags(),
                 *self.feature_flags,
             ],
         )
@@ -292,6 +319,18 @@ class RealCluster:
         self._write_kubeconfig(
             self.unprivileged_kubeconfig, UNPRIVILEGED_USER, self.unprivileged_token
         )
+
+    def _audit_flags(self) -> list[str]:
+        if not self._audit:
+            return []
+        policy = self._dir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(AUDIT_POLICY, sort_keys=False))
+        return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self._dir / 'audit.log'}",
+            "--audit-log-format=json",
+            "--audit-log-mode=blocking",  # each event written before the response: no batching
+        ]
 
     def _spawn(self, name: str, argv: list[str]) -> ChildProcess:
         process = ChildProcess(name, argv, self._dir / f"{name}.log")

@@ -39,18 +39,28 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_BOOKMARK_INTERVAL,
         help="seconds between watch BOOKMARKs",
     )
+    parser.add_argument(
+        "--audit-log", type=Path, help="append an audit log (JSON lines) to this file"
+    )
     return parser
 
 
 async def serve(
-    port: int, kubeconfig: Path | None, history_size: int, bookmark_interval: float
+    port: int,
+    kubeconfig: Path | None,
+    history_size: int,
+    bookmark_interval: float,
+    audit_log: Path | None = None,
 ) -> None:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
     cluster = EmbeddedCluster(
-        port=port, history_size=history_size, bookmark_interval=bookmark_interval
+        port=port,
+        history_size=history_size,
+        bookmark_interval=bookmark_interval,
+        audit_log=audit_log,
     )
     async with cluster:
         if kubeconfig is not None:
@@ -62,7 +72,9 @@ async def serve(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    asyncio.run(serve(args.port, args.kubeconfig, args.history_size, args.bookmark_interval))
+    asyncio.run(
+        serve(args.port, args.kubeconfig, args.history_size, args.bookmark_interval, args.audit_log)
+    )
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from kopf_reconcile.testing.emulated_apiserver.audit import AuditLog
 from kopf_reconcile.testing.emulated_apiserver.faults import Fault, FaultInjector
 from kopf_reconcile.testing.emulated_apiserver.kubeconfig import write_kubeconfig
 from kopf_reconcile.testing.emulated_apiserver.registry import ResourceAPI
@@ -56,10 +57,14 @@ class EmbeddedCluster:
         watch_timeout: float = DEFAULT_WATCH_TIMEOUT,
         namespace_termination_delay: float = DEFAULT_NAMESPACE_TERMINATION_DELAY,
         sharded_list_and_watch: bool = True,
+        audit_log: str | Path | None = None,
     ) -> None:
         """``sharded_list_and_watch``: serve KEP-5866's ``shardSelector`` (the feature gate
-        the real tier turns on); off, the parameter is ignored, as by a server without it."""
+        the real tier turns on); off, the parameter is ignored, as by a server without it.
+
+        ``audit_log``: append an audit log there (JSON lines, see :mod:`.audit`)."""
         self._port = port
+        self._audit_path = Path(audit_log) if audit_log is not None else None
         self.store = Store(history_size=history_size, watch_queue_size=watch_queue_size)
         self.registry = ResourceRegistry()
         self.api = ResourceAPI(
@@ -100,6 +105,8 @@ class EmbeddedCluster:
             # went away does not linger until its timeout (kube-apiserver notices too).
             handler_cancellation=True,
         )
+        if self._audit_path is not None:
+            self.enable_audit_log(self._audit_path)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", self._port)
         await site.start()
@@ -117,6 +124,9 @@ class EmbeddedCluster:
         self.server.close_watches()
         await self._runner.cleanup()
         self._runner = None
+        if self.server.audit_log is not None:
+            self.server.audit_log.close()
+            self.server.audit_log = None
         if self._tempdir is not None:
             self._tempdir.cleanup()
             self._tempdir = None
@@ -147,20 +157,45 @@ class EmbeddedCluster:
             raise RuntimeError("the embedded cluster is not started")
         return str(self._kubeconfig)
 
+    @property
+    def audit_log(self) -> Path | None:
+        """The audit log's path (given as ``audit_log``), if the cluster keeps one."""
+        return self._audit_path
+
+    def enable_audit_log(self, path: str | Path) -> Path:
+        """Start appending the audit log to ``path`` (from the next request on)."""
+        if self.server.audit_log is not None:
+            self.server.audit_log.close()
+        self._audit_path = Path(path)
+        self.server.audit_log = AuditLog(self._audit_path)
+        return self._audit_path
+
     def add_token(self, token: str, username: str, groups: tuple[str, ...] = ()) -> None:
         """Have TokenReviews authenticate ``token`` as ``username`` in ``groups``."""
-        uid = f"embedded-{len(self.server.reviews.tokens)}"
-        self.server.reviews.tokens[token] = TokenUser(username, uid, groups)
+        # The real tier's token file gives each static user its name as uid.
+        self.server.reviews.add_token(token, TokenUser(username, username, groups))
 
-    def api_client(self) -> ApiClient:
-        """A kubernetes-asyncio client for this cluster; the caller closes it."""
+    def api_client(self, *, unprivileged: bool = False) -> ApiClient:
+        """A kubernetes-asyncio client for this cluster; the caller closes it.
+
+        ``unprivileged``: it sends the token of ``nobody`` (else no token: the administrator).
+        """
         from kubernetes_asyncio.client import ApiClient, Configuration
 
         configuration = Configuration(host=self.url)
+        if unprivileged:
+            configuration.api_key = {"BearerToken": self.unprivileged_token}
+            configuration.api_key_prefix = {"BearerToken": "Bearer"}
         return ApiClient(configuration=configuration)
 
-    def http_session(self, **kwargs: Any) -> aiohttp.ClientSession:
-        """A raw HTTP session with this cluster as its base URL; the caller closes it."""
+    def http_session(self, *, unprivileged: bool = False, **kwargs: Any) -> aiohttp.ClientSession:
+        """A raw HTTP session with this cluster as its base URL; the caller closes it.
+
+        ``unprivileged``: it sends the token of ``nobody`` (else no token: the administrator);
+        given ``headers`` are sent along."""
+        if unprivileged:
+            token = {"Authorization": f"Bearer {self.unprivileged_token}"}
+            kwargs["headers"] = {**kwargs.pop("headers", {}), **token}
         return aiohttp.ClientSession(base_url=self.url, **kwargs)
 
     # Faults.

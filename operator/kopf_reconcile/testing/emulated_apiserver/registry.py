@@ -23,9 +23,23 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from kopf_reconcile.testing.emulated_apiserver import applying, crds, errors, patching, validation
+from kopf_reconcile.testing.emulated_apiserver import (
+    admission_config,
+    applying,
+    crds,
+    errors,
+    patching,
+    validation,
+)
+from kopf_reconcile.testing.emulated_apiserver.admission import (
+    BINDINGS_KEY,
+    POLICIES_KEY,
+    Admission,
+    AdmissionRequest,
+    Outcome,
+)
 from kopf_reconcile.testing.emulated_apiserver.controllers import (
     NAMESPACE_NAME_LABEL,
     NAMESPACES_KEY,
@@ -36,6 +50,9 @@ from kopf_reconcile.testing.emulated_apiserver.resources import (
     ResourceType,
 )
 from kopf_reconcile.testing.emulated_apiserver.store import Object, Store
+
+if TYPE_CHECKING:
+    from kopf_reconcile.testing.emulated_apiserver.identity import UserInfo
 
 #: Namespaces that exist in every kube-apiserver from its start.
 SYSTEM_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
@@ -85,6 +102,10 @@ class WriteOptions:
     dry_run: bool = False
     field_validation: FieldValidation = "Ignore"
     warnings: list[str] = field(default_factory=list)
+    #: Who writes (after impersonation); None: the cluster itself, not subject to admission.
+    user: UserInfo | None = None
+    #: Audit annotations admission adds (see :mod:`.audit`).
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
 def _utcnow() -> datetime:
@@ -106,6 +127,7 @@ class ResourceAPI:
         self.store = store
         self.registry = registry
         self._clock = clock
+        self.admission = Admission(self)
         self.controllers = Controllers(
             self, max_events=max_events, namespace_termination_delay=namespace_termination_delay
         )
@@ -171,6 +193,7 @@ class ResourceAPI:
             problems = self._validate(resource, obj)
         if problems:
             raise errors.invalid(target, problems)
+        self._admit("CREATE", resource, "", namespace, meta["name"], obj, None, options)
         if self.store.get(resource.storage_key, meta.get("namespace", ""), meta["name"]):
             raise errors.already_exists(target)
         if options.dry_run:
@@ -219,6 +242,8 @@ class ResourceAPI:
             return [] if resource.schema is None else resource.schema.validate(obj)
         if resource.storage_key == crds.CRD_KEY:
             return crds.validate(obj)
+        if resource.storage_key in (POLICIES_KEY, BINDINGS_KEY):
+            return admission_config.validate(resource, obj)
         return validation.validate_builtin(resource, obj)
 
     def _check_namespace_accepts(self, target: errors.Target, namespace: str) -> None:
@@ -448,6 +473,7 @@ class ResourceAPI:
         )
         if problems:
             raise errors.invalid(target, problems)
+        self._admit("UPDATE", resource, subresource, namespace, name, obj, current, options)
         if obj == current:
             return current  # kube-apiserver skips no-op writes: same resourceVersion, no event
         if options.dry_run:
@@ -512,6 +538,7 @@ class ResourceAPI:
         preconditions: dict[str, Any] | None = None,
         *,
         dry_run: bool = False,
+        options: WriteOptions | None = None,
     ) -> tuple[Object, bool]:
         """Delete an object, or start its graceful deletion.
 
@@ -530,6 +557,9 @@ class ResourceAPI:
                     f"Precondition failed: {label} in precondition: {expected}, "
                     f"{label} in object meta: {meta.get(key)}",
                 )
+        options = options or WriteOptions(dry_run=dry_run)
+        dry_run = dry_run or options.dry_run
+        self._admit("DELETE", resource, "", namespace, name, None, current, options)
         finalized = self._needs_finalization(resource, current)
         if dry_run or meta.get("deletionTimestamp"):
             return current, False if meta.get("deletionTimestamp") else not finalized
@@ -553,6 +583,33 @@ class ResourceAPI:
         if resource.storage_key == NAMESPACES_KEY:
             self.controllers.terminate_namespace_later(stored)
         return stored, False
+
+    def _admit(  # noqa: PLR0917 (the attributes of one admission request)
+        self,
+        operation: str,
+        resource: ResourceType,
+        subresource: str,
+        namespace: str,
+        name: str,
+        obj: Object | None,
+        old: Object | None,
+        options: WriteOptions,
+    ) -> None:
+        """Admission policies (:mod:`.admission`) on a write a user makes."""
+        if options.user is None:
+            return
+        request = AdmissionRequest(
+            operation,
+            resource,
+            subresource,
+            namespace if resource.namespaced else "",
+            name,
+            obj,
+            old,
+            options.user,
+            options.dry_run,
+        )
+        self.admission.validate(request, Outcome(options.warnings, options.annotations))
 
     def _needs_finalization(self, resource: ResourceType, obj: Object) -> bool:
         return bool(obj["metadata"].get("finalizers")) or self._finalized_by_controller(resource)

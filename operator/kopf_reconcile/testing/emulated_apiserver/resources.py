@@ -205,9 +205,45 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         tracks_generation=True,
         storage_version="v1",
     ),
-    # Stored for SubjectAccessReviews (see reviews.py); no request of the embedded API
-    # itself is authorized by them.
+    # Stored for SubjectAccessReviews (see reviews.py) and the authorization of
+    # impersonation (identity.py); no other request of the embedded API is authorized by them.
     *(_cluster_rbac(kind) for kind in ("ClusterRole", "ClusterRoleBinding")),
+    # Reviews: only created, never stored (see reviews.py).
+    *(
+        ResourceType(
+            group=group,
+            version="v1",
+            plural=f"{kind.lower()}s",
+            singular=kind.lower(),
+            kind=kind,
+            namespaced=False,
+            verbs=("create",),
+        )
+        for group, kind in (
+            ("authentication.k8s.io", "SelfSubjectReview"),
+            ("authentication.k8s.io", "TokenReview"),
+            ("authorization.k8s.io", "SubjectAccessReview"),
+        )
+    ),
+    # Enforced on every write (see admission.py).
+    *(
+        ResourceType(
+            group="admissionregistration.k8s.io",
+            version="v1",
+            plural=plural,
+            singular=kind.lower(),
+            kind=kind,
+            namespaced=False,
+            categories=("api-extensions",),
+            status_subresource=kind == "ValidatingAdmissionPolicy",
+            tracks_generation=True,
+            storage_version="v1",
+        )
+        for kind, plural in (
+            ("ValidatingAdmissionPolicy", "validatingadmissionpolicies"),
+            ("ValidatingAdmissionPolicyBinding", "validatingadmissionpolicybindings"),
+        )
+    ),
 )
 
 

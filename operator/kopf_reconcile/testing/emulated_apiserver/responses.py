@@ -30,7 +30,11 @@ def error_response(error: errors.ApiError) -> web.Response:
 def written(
     resource: ResourceType, obj: Object, options: WriteOptions, status: int = 200
 ) -> web.Response:
-    response = json_response(as_served(resource, obj), status)
+    return with_warnings(json_response(as_served(resource, obj), status), options)
+
+
+def with_warnings(response: web.Response, options: WriteOptions) -> web.Response:
+    """The response with a ``Warning`` header per warning the request produced."""
     for warning in options.warnings:
         response.headers.add("Warning", f"299 - {json.dumps(warning)}")
     return response

@@ -22,22 +22,25 @@ Namespaced Roles and the default ClusterRoles kube-apiserver bootstraps (such as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
 from kopf_reconcile.testing.emulated_apiserver import errors
+from kopf_reconcile.testing.emulated_apiserver.audit import AUDIT_CONTEXT
+from kopf_reconcile.testing.emulated_apiserver.identity import ADMINISTRATOR, UserInfo
+from kopf_reconcile.testing.emulated_apiserver.rbac import Authorizer
 from kopf_reconcile.testing.emulated_apiserver.registry import ResourceAPI
 from kopf_reconcile.testing.emulated_apiserver.request_options import read_body
-from kopf_reconcile.testing.emulated_apiserver.resources import ResourceType
 from kopf_reconcile.testing.emulated_apiserver.responses import json_response
+from kopf_reconcile.testing.emulated_apiserver.validation import format_time
 
 Object = dict[str, Any]
 
-RBAC = "rbac.authorization.k8s.io"
 TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
-SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
+SELF_REVIEWS = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,29 @@ class Reviews:
 
     def __init__(self, api: ResourceAPI) -> None:
         self._api = api
+        self.authorizer = Authorizer(api)
         self.tokens: dict[str, TokenUser] = {}
+        #: The users the tokens authenticate as (see :mod:`.identity`).
+        self.token_users: dict[str, UserInfo] = {}
+
+    def add_token(self, token: str, user: TokenUser) -> None:
+        self.tokens[token] = user
+        self.token_users[token] = UserInfo(user.username, user.uid, user.groups)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post(TOKEN_REVIEWS, self._token_review)
         router.add_post(ACCESS_REVIEWS, self._access_review)
+        router.add_post(SELF_REVIEWS, self._self_review)
+
+    async def _self_review(self, request: web.Request) -> web.Response:
+        body = await read_body(request)
+        review = _review(body, "authentication.k8s.io/v1", "SelfSubjectReview")
+        context = request[AUDIT_CONTEXT]
+        user = context.impersonated or context.user or ADMINISTRATOR
+        review.pop("spec")
+        review["metadata"]["creationTimestamp"] = format_time(datetime.now(UTC))
+        review["status"] = {"userInfo": user.as_json()}
+        return json_response(review, status=201)
 
     async def _token_review(self, request: web.Request) -> web.Response:
         review = _review(await read_body(request), "authentication.k8s.io/v1", "TokenReview")
@@ -88,29 +109,9 @@ class Reviews:
             )
         user = str(spec.get("user") or "")
         groups = [str(group) for group in spec.get("groups") or ()]
-        allowed = "system:masters" in groups or any(
-            _covers(rule, resource, non_resource) for rule in self._rules_of(user, groups)
-        )
+        allowed = self.authorizer.allowed(user, groups, resource, non_resource)
         review["status"] = {"allowed": allowed}
         return json_response(review, status=201)
-
-    def _rules_of(self, user: str, groups: list[str]) -> list[Object]:
-        bindings = self._api.store.items(self._rbac("clusterrolebindings").storage_key)
-        roles = self._rbac("clusterroles")
-        rules: list[Object] = []
-        for binding in bindings:
-            if not any(_names(subject, user, groups) for subject in binding.get("subjects") or ()):
-                continue
-            role_ref = binding.get("roleRef") or {}
-            role = self._api.store.get(roles.storage_key, "", str(role_ref.get("name", "")))
-            if role_ref.get("kind") == "ClusterRole" and role is not None:
-                rules.extend(role.get("rules") or ())
-        return rules
-
-    def _rbac(self, plural: str) -> ResourceType:
-        resource = self._api.registry.get(RBAC, "v1", plural)
-        assert resource is not None  # a built-in type
-        return resource
 
 
 def _review(body: Any, api_version: str, kind: str) -> Object:
@@ -122,41 +123,3 @@ def _review(body: Any, api_version: str, kind: str) -> Object:
         "metadata": {"creationTimestamp": None},
         "spec": body.get("spec") or {},
     }
-
-
-def _names(subject: Object, user: str, groups: list[str]) -> bool:
-    kind, name = subject.get("kind"), subject.get("name")
-    if kind == "User":
-        return bool(name == user)
-    if kind == "Group":
-        return name in groups
-    if kind == "ServiceAccount":
-        return user == f"{SERVICE_ACCOUNT_PREFIX}{subject.get('namespace', '')}:{name}"
-    return False
-
-
-def _covers(rule: Object, resource: Object | None, non_resource: Object | None) -> bool:
-    verbs = rule.get("verbs") or ()
-    attributes = resource if resource is not None else non_resource or {}
-    if not ("*" in verbs or attributes.get("verb") in verbs):
-        return False
-    if non_resource is not None:
-        path = str(non_resource.get("path") or "")
-        return any(
-            url == path or (url.endswith("*") and path.startswith(url[:-1]))
-            for url in rule.get("nonResourceURLs") or ()
-        )
-    assert resource is not None
-    wanted = str(resource.get("resource") or "")
-    if resource.get("subresource"):
-        wanted += f"/{resource['subresource']}"
-    names = rule.get("resourceNames") or ()
-    return (
-        _any_or(rule.get("apiGroups"), str(resource.get("group") or ""))
-        and _any_or(rule.get("resources"), wanted)
-        and (not names or resource.get("name") in names)
-    )
-
-
-def _any_or(allowed: Any, value: str) -> bool:
-    return "*" in (allowed or ()) or value in (allowed or ())

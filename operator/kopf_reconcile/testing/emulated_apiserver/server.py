@@ -33,8 +33,10 @@ from typing import Any
 from aiohttp import web
 
 from kopf_reconcile.testing.emulated_apiserver import (
+    audit,
     discovery,
     errors,
+    identity,
     openapi,
     patching,
     request_options,
@@ -44,7 +46,7 @@ from kopf_reconcile.testing.emulated_apiserver import (
 )
 from kopf_reconcile.testing.emulated_apiserver.admin import ADMIN_PREFIX, AdminApi
 from kopf_reconcile.testing.emulated_apiserver.faults import FaultInjector
-from kopf_reconcile.testing.emulated_apiserver.registry import ResourceAPI
+from kopf_reconcile.testing.emulated_apiserver.registry import ResourceAPI, WriteOptions
 from kopf_reconcile.testing.emulated_apiserver.resources import ResourceType
 from kopf_reconcile.testing.emulated_apiserver.responses import (
     as_list_item,
@@ -52,6 +54,7 @@ from kopf_reconcile.testing.emulated_apiserver.responses import (
     deleted_status,
     error_response,
     json_response,
+    with_warnings,
     written,
 )
 from kopf_reconcile.testing.emulated_apiserver.reviews import Reviews
@@ -106,6 +109,8 @@ class ApiServer:
             freshness_wait=FRESHNESS_WAIT,
         )
         self.server_address = "127.0.0.1"
+        #: Where every write's audit Event goes (None: no audit log).
+        self.audit_log: audit.AuditLog | None = None
         self.app = web.Application(
             middlewares=[self._faults_and_errors], client_max_size=16 * 2**20
         )
@@ -150,23 +155,70 @@ class ApiServer:
     async def _faults_and_errors(
         self, request: web.Request, handler: Handler
     ) -> web.StreamResponse:
-        if not request.path.startswith(ADMIN_PREFIX):
-            fault = self.faults.take(request.method, request.path)
-            if fault is not None:
-                if fault.delay:
-                    await asyncio.sleep(fault.delay)
-                if fault.status is not None:
-                    return error_response(
-                        errors.for_code(fault.status, f"injected fault #{fault.id}")
-                    )
-        try:
+        if request.path.startswith(ADMIN_PREFIX):
             return await handler(request)
+        fault = self.faults.take(request.method, request.path)
+        if fault is not None:
+            if fault.delay:
+                await asyncio.sleep(fault.delay)
+            if fault.status is not None:
+                return error_response(errors.for_code(fault.status, f"injected fault #{fault.id}"))
+        context = audit.begin()
+        request[audit.AUDIT_CONTEXT] = context
+        try:
+            response = await self._identified(request, handler, context)
         except errors.ApiError as error:
-            return error_response(error)
+            response = error_response(error)
         except web.HTTPNotFound:
             raise _no_such_path() from None  # also where no route matches, in the same words
         except web.HTTPMethodNotAllowed:
-            return error_response(errors.method_not_allowed())
+            response = error_response(errors.method_not_allowed())
+        if self.audit_log is not None and isinstance(response, web.Response):
+            response.headers["Audit-Id"] = context.audit_id
+            self.audit_log.record(request, context, response)
+        return response
+
+    async def _identified(
+        self, request: web.Request, handler: Handler, context: audit.AuditContext
+    ) -> web.StreamResponse:
+        """Who asks (bearer token), then whom it impersonates (see :mod:`.identity`)."""
+        user = identity.authenticate(
+            request.headers.get("Authorization", ""), self.reviews.token_users
+        )
+        context.user = user
+        if identity.wants_impersonation(request.headers):
+            impersonated = identity.impersonate(
+                request.headers,
+                user,
+                self.reviews.authorizer,
+                self._request_attributes(request),
+            )
+            if impersonated is not None:
+                context.impersonated = impersonated
+        return await handler(request)
+
+    def _request_attributes(self, request: web.Request) -> identity.RequestAttributes:
+        """The authorization attributes of a request (its verb, resource, scope, name)."""
+        path = [s for s in request.path.split("/") if s]
+        if path[:1] == ["api"]:
+            group, rest = "", path[2:]
+        elif path[:1] == ["apis"] and len(path) >= 3:
+            group, rest = path[1], path[3:]
+        else:
+            verb = request.method.lower()
+            return identity.RequestAttributes(verb, "", "", "", "", "", path=request.path)
+        namespace = ""
+        if len(rest) >= 3 and rest[0] == "namespaces":
+            namespace, rest = rest[1], rest[2:]
+        resource, name, subresource = [*rest, "", "", ""][:3]
+        verbs = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+        verb = verbs.get(request.method, "get")
+        if request.method == "GET":
+            watching = request_options.flag(request.query.get("watch"))
+            verb = "watch" if watching else ("get" if name else "list")
+        elif request.method == "DELETE" and not name:
+            verb = "deletecollection"
+        return identity.RequestAttributes(verb, group, resource, subresource, namespace, name)
 
     # Discovery and health.
 
@@ -251,6 +303,8 @@ class ApiServer:
         resource, name = address.resource, address.name
         namespace = address.namespace or ""
         method = request.method
+        if resource.verbs == ("create",) and method != "POST":
+            raise errors.method_not_allowed()  # reviews are only created
         if resource.namespaced and address.namespace is None and method != "GET":
             raise errors.method_not_allowed()  # the all-namespaces path only lists and watches
         if resource.namespaced and address.namespace is None and name:
@@ -274,6 +328,9 @@ class ApiServer:
                 return json_response(tables.table(resource, [obj], metadata, include))
             return json_response(as_served(resource, obj))
         options = request_options.write_options(request)
+        context = request[audit.AUDIT_CONTEXT]
+        options.user = context.impersonated or context.user
+        options.annotations = context.annotations
         if method == "POST" and not name:
             created = self.api.create(
                 resource, namespace, await request_options.read_body(request), options
@@ -321,14 +378,13 @@ class ApiServer:
         if method == "DELETE" and name and not address.subresource:
             body = await request_options.read_json(request) if request.can_read_body else {}
             preconditions = body.get("preconditions") if isinstance(body, dict) else None
-            obj, gone = self.api.delete(
-                resource, namespace, name, preconditions, dry_run=options.dry_run
+            obj, gone = self.api.delete(resource, namespace, name, preconditions, options=options)
+            response = json_response(
+                deleted_status(resource, obj) if gone else as_served(resource, obj)
             )
-            if not gone:
-                return json_response(as_served(resource, obj))
-            return json_response(deleted_status(resource, obj))
+            return with_warnings(response, options)
         if method == "DELETE" and not name:
-            return self._delete_collection(request, resource, namespace, dry_run=options.dry_run)
+            return self._delete_collection(request, resource, namespace, options)
         raise errors.method_not_allowed()
 
     def _filters(
@@ -419,7 +475,11 @@ class ApiServer:
         return items
 
     def _delete_collection(
-        self, request: web.Request, resource: ResourceType, namespace: str, *, dry_run: bool
+        self,
+        request: web.Request,
+        resource: ResourceType,
+        namespace: str,
+        options: WriteOptions,
     ) -> web.StreamResponse:
         matches = self._filters(request, resource, namespace if resource.namespaced else None)
         items, _ = self.api.list_objects(resource, namespace if resource.namespaced else None)
@@ -428,7 +488,7 @@ class ApiServer:
             if matches(obj):
                 meta = obj["metadata"]
                 last, _ = self.api.delete(
-                    resource, meta.get("namespace", ""), meta["name"], dry_run=dry_run
+                    resource, meta.get("namespace", ""), meta["name"], options=options
                 )
                 deleted.append(as_list_item(resource, last))
         document = {
@@ -437,7 +497,7 @@ class ApiServer:
             "metadata": {"resourceVersion": str(self.api.store.revision)},
             "items": deleted,
         }
-        return json_response(document)
+        return with_warnings(json_response(document), options)
 
 
 # Helpers.
