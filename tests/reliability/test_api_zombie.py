@@ -24,6 +24,7 @@ from fleet import Event, first_event, replicas
 
 from kopf_reconcile.control.holding import ACQUIRE_RETRY_JITTER
 from kopf_reconcile.integration import fence_policy
+from kopf_reconcile.testing import api_audit
 from support import CRDS, eventually, gadget_crd, install_crd
 
 pytestmark = pytest.mark.slow
@@ -64,18 +65,19 @@ async def call(http: Any, method: str, path: str, body: object = None, **headers
 
 
 @pytest.mark.parametrize(
-    ("late", "fenced"),
+    "case",
     [
-        ("status", True),
-        ("create", True),
-        ("update", True),
-        ("delete", True),
-        pytest.param("status", False, id="status-without-the-policy"),
+        pytest.param(("status", True), id="status"),
+        pytest.param(("create", True), id="create"),
+        pytest.param(("update", True), id="update"),
+        pytest.param(("delete", True), id="delete"),
+        pytest.param(("status", False), id="status-without-the-policy"),
     ],
 )
 async def test_a_paused_leaders_late_api_write_is_refused_by_the_api_server(
-    kube: Any, kube_namespace: str, gadgets: str, late: str, fenced: bool
+    kube: Any, kube_namespace: str, kube_audit_log: Path, gadgets: str, case: tuple[str, bool]
 ) -> None:
+    late, fenced = case
     ns = kube_namespace
     name = f"fence-{ns}"
     async with kube.http_session() as http:
@@ -144,10 +146,26 @@ async def test_a_paused_leaders_late_api_write_is_refused_by_the_api_server(
             "update": (work.get("data") or {}).get("late") == "yes",
             "delete": not victim_exists,
         }
+    # The API server's own record: only this test's Lease counts (a real tier's log is shared).
+    lease = f"{ns}/devices"
+
+    async def logged() -> bool:  # the log is written as requests complete
+        return any(w.lease == lease and w.epoch == epoch for w in late_writes())
+
+    def late_writes() -> list[api_audit.ApiWrite]:
+        after_b = [w for w in api_audit.api_writes(kube_audit_log) if w.lease == lease]
+        first_b = next(w.seq for w in after_b if w.epoch == epoch + 1)
+        return [w for w in after_b if w.epoch == epoch and w.seq > first_b]
+
+    await eventually(logged, message="the late write in the audit log")
+    stale = [w for w in api_audit.stale_api_writes(kube_audit_log) if w.lease == lease]
     if not fenced:
         assert answer["accepted"], answer
         assert applied[late], "without the policy the late write lands"
+        assert stale and all(w.epoch == epoch for w in stale), stale  # and the audit sees it
         return
+    assert stale == []
+    assert [w.code for w in late_writes()] == [403]
     assert not answer["accepted"], answer
     assert "stale write refused by the kopf-reconcile fence" in answer["reason"], answer
     assert f"now at epoch {epoch + 1} held by {b.events[0]['holder']}" in answer["reason"], answer
