@@ -41,6 +41,7 @@ def test_demo_runs_the_story_and_every_invariant_holds() -> None:
     assert summary_value(output, "converged") == "20"
     assert summary_value(output, "failovers") == "2"
     assert summary_value(output, "stale writes accepted") == "0"
+    assert summary_value(output, "stale API writes accepted") == "0"
     assert summary_value(output, "lost updates") == "0"
     assert "every invariant held" in output
     assert "REJECTED by the database" in output
@@ -64,6 +65,7 @@ def test_sharded_demo_moves_only_the_killed_replicas_shards() -> None:
     assert summary_value(output, "shards shared") == "8"
     assert summary_value(output, "converged") == "24"
     assert summary_value(output, "stale writes accepted") == "0"
+    assert summary_value(output, "stale API writes accepted") == "0"
     assert summary_value(output, "lost updates") == "0"
     assert "every invariant held" in output
     # Three replicas shared the shards, each holding some, every shard held once.

@@ -98,6 +98,7 @@ class ShardedDemo(Demo):
             s.converged == s.objects
             and s.lost_updates == 0
             and s.stale_accepted == 0
+            and s.stale_api_accepted == 0
             and self.moves.ok()
         )
 
@@ -210,6 +211,8 @@ def summary_lines(summary: Summary, moves: ShardMoves, ok: bool) -> list[str]:
         ("takeover", f"{moves.takeover_seconds:.2f}s", "SIGKILL to every shard led (TTL)"),
         ("stale writes accepted", summary.stale_accepted,
          "must be 0 (none below an epoch that led its shard's scope)"),
+        ("stale API writes accepted", summary.stale_api_accepted,
+         "must be 0 (none admitted after a newer term of its shard's Lease)"),
         ("lost updates", summary.lost_updates, "must be 0"),
     ]  # fmt: skip
     verdict = "every invariant held" if ok else "AN INVARIANT WAS BROKEN"

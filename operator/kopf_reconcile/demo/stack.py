@@ -75,6 +75,7 @@ class Stack:
         self.reconciler = reconciler  # its id: the controller label in the replicas' metrics
         self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
         self.kubeconfig = self.workdir / "kubeconfig"
+        self.audit_log = self.workdir / "audit.log"  # the API server's record of every write
         self.replicas: list[Replica] = []
         self.cluster_url = ""
         self._cluster: asyncio.subprocess.Process | None = None
@@ -103,6 +104,7 @@ class Stack:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kopf_reconcile.testing.emulated_apiserver",
             "--port", "0", "--kubeconfig", str(self.kubeconfig),
+            "--audit-log", str(self.audit_log),
             stdout=asyncio.subprocess.PIPE,
             stderr=(self.workdir / "cluster.log").open("wb"),
         )  # fmt: skip

@@ -48,12 +48,19 @@ from kopf_reconcile.api import ConfigError
 from kopf_reconcile.demo.stack import DemoError, Replica, Stack
 from kopf_reconcile.demo.view import View
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.fencing.protocol import StaleEpochError
+from kopf_reconcile.fencing.writer import ReconcileLease
+from kopf_reconcile.integration import fence_policy
+from kopf_reconcile.integration.api_client import LazyApiClient
+from kopf_reconcile.integration.fence_lease import LeaseFence
+from kopf_reconcile.integration.fenced_client import ClientContext, FencedClient, Resource
 from kopf_reconcile.integration.tables import format_table
 from kopf_reconcile.sharding import shard_id
-from kopf_reconcile.testing import audit
+from kopf_reconcile.testing import api_audit, audit
 from kopf_reconcile.testing.examples import find_crd, find_handlers
 
 GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
+DEVICES = Resource(GROUP, VERSION, PLURAL)
 NAMESPACE = "default"
 # The example's reconciler id: its lease name, fence scope and the metrics' controller label.
 SCOPE = "devices.example.com-reconcile-device"
@@ -90,8 +97,13 @@ class Summary:
     rejected_by_database: int = 0
     # Applied writes that were stale when applied (audit.stale_writes: scope-wide).
     stale_accepted: int = 0
+    # API writes (status patches) the API server admitted after a newer term of their
+    # Lease, and those its fence refused (api_audit, from its audit log).
+    stale_api_accepted: int = 0
+    refused_by_api_server: int = 0
     lost_updates: int = 0
     direct_write_rejected: bool = False
+    direct_api_write_refused: bool = False
     # The malformed Device: its DeadLettered Event's count, and its dead letter's
     # attempts in PostgreSQL after both failovers (0: gone).
     dead_lettered_events: int = 0
@@ -102,8 +114,10 @@ class Summary:
             self.converged == self.objects
             and self.lost_updates == 0
             and self.stale_accepted == 0
+            and self.stale_api_accepted == 0
             and len(self.failovers) == 2
             and self.direct_write_rejected
+            and self.direct_api_write_refused
             and self.dead_lettered_events >= 1
             and self.dead_letter_attempts >= 1
         )
@@ -169,6 +183,10 @@ class Demo:
             ("late reconciles cancelled", summary.cancelled, "by the lost lease"),
             ("stale writes accepted", summary.stale_accepted,
              "must be 0 (none below an epoch that led the scope)"),
+            ("refused by the API server", summary.refused_by_api_server,
+             "late status patches its fence refused (the API server's audit log)"),
+            ("stale API writes accepted", summary.stale_api_accepted,
+             "must be 0 (none admitted after a newer term of its Lease)"),
             ("lost updates", summary.lost_updates, "must be 0"),
             ("dead-lettered events", summary.dead_lettered_events,
              "the malformed Device's Warning DeadLettered Event (its count)"),
@@ -202,6 +220,13 @@ class Demo:
         self._api = client.ApiClient()
         crd = yaml.safe_load(self.crd.read_text())
         await client.ApiextensionsV1Api(self._api).create_custom_resource_definition(crd)
+        # The API server's fence, as the chart installs it: late API writes are refused.
+        fence = f"demo-{NAMESPACE}-fence"
+        admission = client.AdmissionregistrationV1Api(self._api)
+        policy: Any = fence_policy.policy(fence)  # a manifest: the client sends dicts as they are
+        binding: Any = fence_policy.binding(fence, fence, NAMESPACE)
+        await admission.create_validating_admission_policy(policy)
+        await admission.create_validating_admission_policy_binding(binding)
         async with PostgresFencedRepository(dsn, scope=SCOPE) as repository:
             await repository.migrate()
         await audit.install(dsn)
@@ -329,6 +354,7 @@ class Demo:
         await self._flip(max(1, self.options.objects // 5))
         await self._until(lambda: leader.last.in_flight > 0, f"{leader.name} is working", 10)
         before = dataclasses.replace(leader.last)
+        old_holder = await self._lease_holder()
         self.view.note(
             f"SIGSTOP {leader.name} (pid {leader.pid}), the leader at epoch {old}, "
             f"in the middle of {leader.last.in_flight} reconcile(s)"
@@ -372,6 +398,40 @@ class Demo:
         self.summary.direct_write_rejected = not accepted
         verdict = "REJECTED by the database" if not accepted else "ACCEPTED (fencing is broken!)"
         self.view.note(f"a write to {entity} at epoch {old}, straight to PostgreSQL: {verdict}")
+        # So is the API server: the same Device's status patch, sent as the paused leader's
+        # fenced client sends it (its Lease, holder and old epoch), is refused there.
+        self.summary.direct_api_write_refused = await self._api_write_refused(
+            entity, old, old_holder
+        )
+        verdict = (
+            "REFUSED by the API server"
+            if self.summary.direct_api_write_refused
+            else "ADMITTED (the API fence is broken!)"
+        )
+        self.view.note(f"a status patch of {entity} at epoch {old}, to the API: {verdict}")
+
+    async def _lease_holder(self) -> str:
+        assert self._api is not None
+        lease = await client.CoordinationV1Api(self._api).read_namespaced_lease(SCOPE, NAMESPACE)
+        return str(lease.spec.holder_identity)
+
+    async def _api_write_refused(self, entity: str, epoch: int, holder: str) -> bool:
+        assert self._api is not None
+
+        async def namespace() -> str:
+            return NAMESPACE
+
+        source = LazyApiClient(self._api)
+        lease = ReconcileLease(epoch, lambda _: True, lease_id=SCOPE, holder=holder)
+        fenced = FencedClient(
+            ClientContext(source, field_manager="demo", fence=LeaseFence(source, namespace)), lease
+        )
+        name = entity.split("/", 1)[1]
+        try:
+            await fenced.patch_status(DEVICES, name, {"observed": "zombie"}, namespace=NAMESPACE)
+        except StaleEpochError:
+            return True
+        return False
 
     async def _verify(self) -> None:
         await self._until_converged("final convergence", strict=False)
@@ -394,6 +454,8 @@ class Demo:
         history = await audit.history(self.stack.dsn, scope=self.audited_scope)
         self.summary.stale_accepted = len(audit.stale_writes(history))
         self.summary.rejected_by_database = len(await audit.rejected_writes(self.stack.dsn))
+        self.summary.stale_api_accepted = len(api_audit.stale_api_writes(self.stack.audit_log))
+        self.summary.refused_by_api_server = len(api_audit.refused_api_writes(self.stack.audit_log))
 
     async def _show_leases(self) -> None:
         kubeconfig = str(self.stack.kubeconfig)
