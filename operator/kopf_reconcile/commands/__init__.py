@@ -1,2 +1,0 @@
-"""Commands of ``kopf-reconcile`` kept in modules of their own, one per command, named after it
-(``init``, ``dev``); :mod:`kopf_reconcile.integration.cli` adds each one's parser."""
