@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import kopf_reconcile as kr
-from kopf_reconcile.commands.init import FILES, Project, scaffold
+from kopf_reconcile.integration.cli.init import FILES, Project, scaffold
 
 
 @pytest.mark.parametrize(

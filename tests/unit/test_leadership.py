@@ -220,3 +220,61 @@ async def test_stop_during_an_acquire_leaves_no_lease_behind() -> None:
     await loop.stop()
     assert store.holder(RID) is None  # handed back, not held for the 60 s TTL
     assert not loop.stats().is_leader
+
+
+async def test_leadership_observers_are_told_of_leading_and_of_losing() -> None:
+    from kopf_reconcile.control.holding import LeadershipChange, LeaseHolder
+
+    store = MemoryLeaseStore()
+    seen: list[LeadershipChange] = []
+    leading_when_told: list[bool] = []
+
+    async def quiet(req: kr.Request) -> None:
+        return None
+
+    elector = MemoryLeaseElector(store, kr.LeaseTTL(60))
+    loop = leader_loop(quiet, elector)
+
+    def observe(change: LeadershipChange) -> None:
+        seen.append(change)
+        leading_when_told.append(loop.stats().is_leader)
+
+    forget = LeaseHolder.observe(observe)
+    try:
+        async with loop:
+            await eventually(lambda: loop.stats().is_leader)
+            epoch = loop.stats().epoch
+            assert seen == [LeadershipChange(True, RID, epoch, elector.holder_id)]
+            # The lease is taken over elsewhere: this holder steps down.
+            store.expire(RID)
+            await MemoryLeaseElector(store, kr.LeaseTTL(60)).acquire_lease(RID)
+            await eventually(lambda: len(seen) == 2)
+            assert seen[1] == LeadershipChange(False, RID, epoch)
+            store.expire(RID)  # the other holder's lease runs out: it leads again
+            await eventually(lambda: len(seen) == 3)
+            assert seen[2] == LeadershipChange(True, RID, epoch + 2, elector.holder_id)
+        # Stopping while leading is a loss too, told once the lease is given up.
+        assert [change.leading for change in seen] == [True, False, True, False]
+        # Told just before it leads, and just after it stopped.
+        assert leading_when_told == [False, False, False, False]
+    finally:
+        forget()
+    assert LeaseHolder._observers == []
+
+
+async def test_a_failing_leadership_observer_changes_nothing_of_the_lease() -> None:
+    from kopf_reconcile.control.holding import LeadershipChange, LeaseHolder
+
+    def broken(change: LeadershipChange) -> None:
+        raise RuntimeError("observer failed")
+
+    async def quiet(req: kr.Request) -> None:
+        return None
+
+    forget = LeaseHolder.observe(broken)
+    try:
+        loop = leader_loop(quiet, MemoryLeaseElector(MemoryLeaseStore(), kr.LeaseTTL(60)))
+        async with loop:
+            await eventually(lambda: loop.stats().is_leader)
+    finally:
+        forget()

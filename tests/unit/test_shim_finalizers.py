@@ -16,6 +16,8 @@ import pytest_asyncio
 import kopf_reconcile as kr
 from kopf_reconcile.cache import ObjectCache
 from kopf_reconcile.integration import kopf_shim
+from kopf_reconcile.integration.api_client import LazyApiClient
+from kopf_reconcile.integration.fenced_client import ClientContext
 from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing, finalizer_name
 from kopf_reconcile.integration.related import RelatedObjects
 
@@ -65,6 +67,7 @@ async def shim() -> AsyncIterator[Any]:
     registration = kopf_shim._registrations[-1]
     registration.cache = ObjectCache()
     registration.related = RelatedObjects((), None)
+    registration.client_context = ClientContext(LazyApiClient(), field_manager="reconcile_site")
     registration.finalizing = Finalizing(RecordingWriter())
     registration.writes = registration.finalizing.writer.writes
     registration.outcomes = outcomes

@@ -45,15 +45,24 @@ or a missing namespace), and a lease record with no epoch left
 (:class:`~kopf_reconcile.leader.protocol.LeaseEpochExhausted`), are counted in
 ``lease_permanent_errors_total`` too, logged as errors rather than warnings, and say so in
 their line, so an operator that can never lead is told apart from a flaky API.
+
+Observers. :meth:`LeaseHolder.observe` registers a callable told of every lease holder of
+this process that starts or stops leading (a :class:`LeadershipChange`): just *before* it
+starts leading, and just *after* it has given up (a step-down, a stop, an abandoned stop),
+so an interval between the two always covers the real one. The chaos harness's replicas
+report their leadership with it (:mod:`kopf_reconcile.testing.chaos.replica`). An observer
+that raises is logged and changes nothing of the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 from kopf_reconcile.api import ConfigError
 from kopf_reconcile.leader.protocol import (
@@ -74,8 +83,38 @@ ACQUIRE_RETRY_JITTER = 1.2  # client-go JitterFactor on RetryPeriod
 MIN_RETRY = 0.01  # never spin on a lease reported as expiring right now
 
 
+@dataclasses.dataclass(frozen=True)
+class LeadershipChange:
+    """A lease holder of this process starts (``leading``) or stops leading."""
+
+    leading: bool
+    reconciler_id: str
+    epoch: int
+    holder_id: str | None = None  # whose lease it leads (given when it starts leading)
+
+
+LeadershipObserver = Callable[[LeadershipChange], None]
+
+
 class LeaseHolder:
     """The acquire/renew/release loop of one reconciler's lease."""
+
+    _observers: ClassVar[list[LeadershipObserver]] = []
+
+    @classmethod
+    def observe(cls, observer: LeadershipObserver) -> Callable[[], None]:
+        """Tell ``observer`` whenever a lease holder of this process starts or stops leading.
+
+        Called on the event loop, synchronously, so it must not block. Returns the
+        function that stops the observing.
+        """
+        cls._observers.append(observer)
+
+        def forget() -> None:
+            with contextlib.suppress(ValueError):
+                cls._observers.remove(observer)
+
+        return forget
 
     def __init__(
         self,
@@ -311,6 +350,7 @@ class LeaseHolder:
             self._metrics.lease_permanent_errors.inc()
 
     def _lead(self, token: LeaseToken, sent: float) -> None:
+        self._notify(LeadershipChange(True, token.reconciler_id, token.epoch, token.holder_id))
         self._early_wakeups = 0
         self._epoch = token.epoch
         self._holder_id = token.holder_id
@@ -390,9 +430,19 @@ class LeaseHolder:
 
     def _give_up_locally(self) -> None:
         """From now on nothing of this process passes the local lease check."""
+        was_leading = self._leading
         self._leading = False
         self._valid_until = 0.0
         self._metrics.leader.set(0)
+        if was_leading:
+            self._notify(LeadershipChange(False, self._reconciler_id, self._epoch))
+
+    def _notify(self, change: LeadershipChange) -> None:
+        for observer in tuple(self._observers):
+            try:
+                observer(change)
+            except Exception:
+                logger.exception("%s: a leadership observer failed", self._name)
 
     async def _release_when_done(self, guarded: set[asyncio.Task[None]]) -> None:
         """Release once ``guarded`` work has ended, if that happens while the lease is live.

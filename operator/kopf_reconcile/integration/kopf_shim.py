@@ -60,7 +60,8 @@ not its business and triggers nothing (unless the object carries the reconciler'
 finalizer: it is then reconciled as gone to release it, see ``finalizers``).
 
 Watch streams. The shim wraps kopf's watch stream of each resource it reconciles
-(``kopf._cogs.clients.watching.infinite_watch``) and hands every event, in the
+(``kopf._cogs.clients.watching.infinite_watch``, reached through
+:mod:`~kopf_reconcile.integration.kopf_internals`) and hands every event, in the
 order the stream delivers it, to the reconcilers of the operator that runs that
 stream (the one whose settings their startup handler received). When the operator
 has no other kopf handler for that resource, the events then go no further: kopf
@@ -128,12 +129,14 @@ from kopf_reconcile.builder import Builder
 from kopf_reconcile.cache import ObjectCache, Transform, serving, strip_managed_fields
 from kopf_reconcile.config import DEFAULT_INTERVAL, LoopConfig, validate_name
 from kopf_reconcile.fencing.protocol import FencedRepository
+from kopf_reconcile.integration import kopf_internals
 from kopf_reconcile.integration import settings as process_settings
 from kopf_reconcile.integration.api_client import SharedApiClient, shared_api_client
 from kopf_reconcile.integration.events import KubernetesEventSink
 from kopf_reconcile.integration.fence_lease import LeaseFence
 from kopf_reconcile.integration.fenced_client import ClientContext, serving_client
 from kopf_reconcile.integration.finalizers import FinalizerWriter, Finalizing, finalizer_name
+from kopf_reconcile.integration.kopf_internals import match_namespace
 from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX, install_quiet_event_handlers
 from kopf_reconcile.integration.naming import derived_reconciler_id, is_generic_name
 from kopf_reconcile.integration.related import (
@@ -154,7 +157,13 @@ from kopf_reconcile.sharding import ShardAssignment, validate_shards
 from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.triggers import TickerTrigger
 
-__all__ = ["FROM_SETTINGS", "check_reconciler_ids", "reconciler", "status"]
+__all__ = [
+    "FROM_SETTINGS",
+    "check_reconciler_ids",
+    "match_namespace",  # kopf's, for readiness to watch what kopf watches
+    "reconciler",
+    "status",
+]
 
 logger = logging.getLogger("kopf_reconcile.kopf")
 
@@ -600,8 +609,8 @@ def _first_among_cleanups(registry: Any, handler_id: str) -> None:
     user's ``@kopf.on.cleanup`` written above the reconciler (closing a pool or a client the
     reconciler uses) would otherwise run while its Loop still reconciles and holds the lease.
     """
-    handlers = getattr(getattr(registry, "_activities", None), "_handlers", None)
-    if not isinstance(handlers, list):  # pragma: no cover - another kopf layout
+    handlers = kopf_internals.activity_handlers(registry)
+    if handlers is None:  # pragma: no cover - another kopf layout
         logger.warning(
             "this kopf version's registry cannot be ordered: cleanup handlers registered "
             "before a reconciler run before its Loop stops"
@@ -854,17 +863,14 @@ def _install_relist_sweep() -> None:
     included, reaches their caches in the stream's order, and reaches kopf only when
     kopf has other handlers of the resource.
     """
-    watching: Any = None
-    with contextlib.suppress(ImportError):
-        from kopf._cogs.clients import watching
-    original = getattr(watching, "infinite_watch", None)
-    listed_marker = getattr(getattr(watching, "Bookmark", None), "LISTED", None)
-    if original is None or listed_marker is None:  # pragma: no cover - another kopf layout
+    found = kopf_internals.infinite_watch()
+    if found is None:  # pragma: no cover - another kopf layout
         logger.warning(
             "this kopf version's watch stream cannot be followed: an object deleted while "
             "a watch lists again (410 Gone) is not reported to its reconciler"
         )
         return
+    original, listed_marker = found
     if getattr(original, "_kopf_reconcile_sweeps", False):
         return
 
@@ -916,8 +922,7 @@ def _install_relist_sweep() -> None:
                 for registration in fed:
                     registration.feeding_streams[key] -= 1
 
-    infinite_watch._kopf_reconcile_sweeps = True  # type: ignore[attr-defined]
-    watching.infinite_watch = infinite_watch
+    kopf_internals.replace_infinite_watch(infinite_watch, original)
 
 
 # (group, plural) of the resources whose watch streams kopf's observers also read.
@@ -925,18 +930,14 @@ _OBSERVED_BY_KOPF = frozenset(
     {("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
 )
 
-# kopf's registries of resource handlers: any handler there other than the shim's own
-# needs kopf to see the resource's events.
-_KOPF_RESOURCE_REGISTRIES = ("_indexing", "_watching", "_spawning", "_changing", "_webhooks")
-
 
 def _kopf_handles(registry: Any, resource: Any) -> bool:
     """Whether ``registry`` has a handler of ``resource`` other than the shim's own."""
-    for name in _KOPF_RESOURCE_REGISTRIES:
-        handlers = getattr(registry, name, None)
-        if handlers is None:  # pragma: no cover - another kopf layout: let kopf see all
-            return True
-        for handler in handlers.get_all_handlers():
+    registries = kopf_internals.resource_handlers(registry)
+    if registries is None:  # pragma: no cover - another kopf layout: let kopf see all
+        return True
+    for handlers in registries:
+        for handler in handlers:
             if str(getattr(handler, "id", "")).startswith(EVENT_HANDLER_PREFIX):
                 continue
             selector = getattr(handler, "selector", None)
@@ -978,13 +979,6 @@ def running_loops(registry: Any = None) -> list[Loop]:
     real_registry = kopf.get_default_registry() if registry is None else registry
     loops = (r.loop for r in _registrations if r.registry is real_registry)
     return [loop for loop in loops if loop is not None]
-
-
-def match_namespace(name: str, pattern: str) -> bool:
-    """Whether kopf watches namespace ``name`` for ``pattern`` (globs, ``!`` negations)."""
-    from kopf._cogs.structs import references
-
-    return bool(references.match_namespace(references.NamespaceName(name), pattern))
 
 
 def status(registry: Any = None) -> dict[str, dict[str, object]]:

@@ -15,11 +15,16 @@ that every Device converged (no lost update). With ``shards`` > 1 the example
 runs sharded, replicas also join and leave (moving shards by hand-off, which the
 nemesis strikes), and every invariant is checked per shard.
 
-* :mod:`.harness` — the run and its report (:func:`run`, :class:`Options`);
+* :mod:`.harness` — the run (:func:`run`, :class:`Chaos`);
+* :mod:`.nemesis` — the faults, drawn from the seed, the workload and the supervisor;
+* :mod:`.checks` — quiescing, then every invariant, per scope;
+* :mod:`.report` — the options of a run (:class:`Options`) and its report (:class:`Report`);
+* :mod:`.stage` — the replica positions, and the state and plumbing the three share;
 * :mod:`.leadership` — leadership intervals and their overlaps;
 * :mod:`.reconciles` — reconciles of one entity by two replicas at once;
 * :mod:`.proxy` — the per-replica TCP proxy that partitions one replica;
-* :mod:`.replica` — ``kopf-reconcile run`` plus the leadership report.
+* :mod:`.replica` — ``kopf-reconcile run`` plus the leadership report
+  (:meth:`~kopf_reconcile.control.holding.LeaseHolder.observe`).
 
 ``python -m kopf_reconcile.testing.chaos --seed 1 --duration 60 --replicas 3``
 (``make chaos``) runs it for both electors and prints a summary table. The

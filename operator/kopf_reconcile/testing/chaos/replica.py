@@ -37,16 +37,16 @@ import time
 from typing import IO, Any
 
 from kopf_reconcile.api import RESYNC_ALL
-from kopf_reconcile.control.holding import LeaseHolder
+from kopf_reconcile.control.holding import LeadershipChange, LeaseHolder
 from kopf_reconcile.integration import cli
-from kopf_reconcile.leader.protocol import LeaseToken
 from kopf_reconcile.loop import Loop
 
 _lock = threading.Lock()
 
 
 def install_probe(stream: IO[str], spans: IO[str] | None = None) -> None:
-    """Wrap ``LeaseHolder``'s two leadership transitions to report them to ``stream``.
+    """Report every leadership change of this process's lease holders to ``stream``
+    (:meth:`LeaseHolder.observe`).
 
     With ``spans``, also every reconcile's start and end (one ``Loop._process`` each),
     and hand-offs to ``stream``.
@@ -58,21 +58,18 @@ def install_probe(stream: IO[str], spans: IO[str] | None = None) -> None:
             into.write(line + "\n")
             into.flush()
 
-    lead = LeaseHolder._lead
-    give_up = LeaseHolder._give_up_locally
+    def report(change: LeadershipChange) -> None:
+        if change.leading:
+            emit(
+                "lead",
+                reconciler=change.reconciler_id,
+                holder=change.holder_id,
+                epoch=change.epoch,
+            )
+        else:
+            emit("lose", reconciler=change.reconciler_id, epoch=change.epoch)
 
-    def probed_lead(self: LeaseHolder, token: LeaseToken, sent: float) -> None:
-        emit("lead", reconciler=token.reconciler_id, holder=token.holder_id, epoch=token.epoch)
-        lead(self, token, sent)
-
-    def probed_give_up(self: LeaseHolder) -> None:
-        was_leading = self.leading
-        give_up(self)
-        if was_leading:
-            emit("lose", reconciler=self._reconciler_id, epoch=self.epoch)
-
-    setattr(LeaseHolder, "_lead", probed_lead)  # noqa: B010
-    setattr(LeaseHolder, "_give_up_locally", probed_give_up)  # noqa: B010
+    LeaseHolder.observe(report)
     if spans is not None:
         _probe_reconciles(emit, spans)
 
