@@ -24,7 +24,7 @@ import aiohttp
 import asyncpg
 
 from kopf_reconcile.leader.timing import RENEW_DEADLINE_FRACTION
-from kopf_reconcile.testing import audit
+from kopf_reconcile.testing import api_audit, audit
 from kopf_reconcile.testing.chaos.leadership import (
     Leadership,
     epochs_led_twice,
@@ -83,6 +83,11 @@ class Checks(Stage):
         for scope in self.scopes:
             await self._check_scope(scope, deadline)
         self.report.stale_rejected = len(await audit.rejected_writes(self.dsn))
+        # The API server's own record of the Devices' status patches (its audit log).
+        self.report.api_writes_refused = len(api_audit.refused_api_writes(self.audit_log))
+        self.report.stale_api_accepted = [
+            str(w) for w in api_audit.stale_api_writes(self.audit_log)
+        ]
         inside: list[Span] = []
         for process in self.histories:
             inside += spans(process, deadline, PAUSE_GRACE)

@@ -56,6 +56,7 @@ from collections.abc import Callable
 import yaml
 
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.integration.fence_policy import binding, policy
 from kopf_reconcile.testing import audit
 from kopf_reconcile.testing.chaos.checks import Checks
 from kopf_reconcile.testing.chaos.nemesis import Nemesis
@@ -65,6 +66,7 @@ from kopf_reconcile.testing.chaos.stage import (
     DEVICES_PATH,
     ELECTORS,
     GROUP,
+    NAMESPACE,
     SCOPE,
     START_TIMEOUT,
     STATES,
@@ -146,7 +148,8 @@ class Chaos(Nemesis, Checks):
             await self._start_real_cluster()
             return
         argv = [sys.executable, "-m", "kopf_reconcile.testing.emulated_apiserver",
-                "--kubeconfig", str(self.workdir / "kubeconfig")]  # fmt: skip
+                "--kubeconfig", str(self.workdir / "kubeconfig"),
+                "--audit-log", str(self.workdir / "audit.log")]  # fmt: skip
         self._cluster = await asyncio.create_subprocess_exec(
             *dying_with_parent(argv),
             stdin=asyncio.subprocess.DEVNULL,
@@ -166,6 +169,8 @@ class Chaos(Nemesis, Checks):
     async def _start_real_cluster(self) -> None:
         self._real = RestartableRealCluster()
         await self._real.__aenter__()
+        assert self._real.audit_log is not None
+        self.audit_log = self._real.audit_log
         self._cluster_url = self._real.url
         shutil.copyfile(self._real.kubeconfig, self.workdir / "kubeconfig")
         self._headers = {"Authorization": f"Bearer {self._real.admin_token}"}
@@ -198,6 +203,12 @@ class Chaos(Nemesis, Checks):
     async def _create_crd_and_devices(self) -> None:
         crd = yaml.safe_load(self.crd.read_text())
         await self._api("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        # The API server's fence, as the chart installs it (the Devices' status patches).
+        admission = "/apis/admissionregistration.k8s.io/v1"
+        name = f"chaos-{NAMESPACE}-fence"
+        await self._api("POST", f"{admission}/validatingadmissionpolicies", policy(name))
+        binding_body = binding(name, name, NAMESPACE)
+        await self._api("POST", f"{admission}/validatingadmissionpolicybindings", binding_body)
 
         async def served() -> bool:  # a real API server serves a new CRD a moment later
             try:

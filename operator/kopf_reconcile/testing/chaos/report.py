@@ -37,6 +37,8 @@ class Report:
     writes_accepted: int = 0
     stale_rejected: int = 0
     stale_accepted: list[str] = dataclasses.field(default_factory=list)
+    api_writes_refused: int = 0  # by the API server's fence (its audit log)
+    stale_api_accepted: list[str] = dataclasses.field(default_factory=list)
     lost_updates: list[str] = dataclasses.field(default_factory=list)
     max_leaders: int = 0
     max_leaders_believed: int = 0
@@ -75,6 +77,11 @@ class Report:
         if self.stale_accepted:
             found.append(
                 f"{len(self.stale_accepted)} stale write(s) accepted: {self.stale_accepted[:5]}"
+            )
+        if self.stale_api_accepted:
+            found.append(
+                f"{len(self.stale_api_accepted)} stale API write(s) admitted: "
+                f"{self.stale_api_accepted[:5]}"
             )
         if self.lost_updates:
             found.append(f"{len(self.lost_updates)} lost update(s): {self.lost_updates[:5]}")
@@ -153,6 +160,12 @@ class Report:
                 f"at the epoch below the scope's",
             ),
             ("stale writes accepted", len(self.stale_accepted), "must be 0"),
+            (
+                "API writes refused",
+                self.api_writes_refused,
+                "late status patches the API server's fence refused (its audit log)",
+            ),
+            ("stale API writes accepted", len(self.stale_api_accepted), "must be 0"),
             (
                 "lost updates",
                 len(self.lost_updates),

@@ -141,6 +141,8 @@ class Stage:
         self.handlers = find_handlers(options.handlers)
         self.crd = find_crd(self.handlers)
         self.workdir = Path(tempfile.mkdtemp(prefix="kopf-reconcile-chaos-"))
+        # The API server's audit log (the real tier's is in its own directory).
+        self.audit_log = self.workdir / "audit.log"
         self.slots: list[Slot] = []
         self.histories: list[ProcessHistory] = []
         self._out = out
@@ -291,7 +293,7 @@ class RestartableRealCluster(RealCluster):
     """The real tier, whose kube-apiserver can crash and come back on the same etcd and port."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(audit_log=True)  # the API server's record: stale API writes
         self._argv: dict[str, list[str]] = {}
 
     def _spawn(self, name: str, argv: list[str]) -> ChildProcess:
