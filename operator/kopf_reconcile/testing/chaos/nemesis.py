@@ -22,6 +22,13 @@ import aiohttp
 import asyncpg
 
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
+from kopf_reconcile.integration.fence_lease import Identity
+from kopf_reconcile.integration.fence_policy import (
+    EPOCH_EXTRA,
+    FENCE_MARKER,
+    HOLDER_EXTRA,
+    LEASE_EXTRA,
+)
 from kopf_reconcile.testing.chaos.stage import (
     API_FAULT_TARGETS,
     DEVICES_PATH,
@@ -418,6 +425,49 @@ class Nemesis(Stage):
             self.report.counts["zombie_accepted"] += 1
         verdict = "ACCEPTED (fencing is broken)" if accepted else "rejected by the database"
         self.say(f"a write to {entity} at epoch {led - 1} ({scope} led at {led}): {verdict}")
+        await self._zombie_api_write(entity, scope)
+
+    async def _zombie_api_write(self, entity: str, scope: str) -> None:
+        """A status patch at an epoch below its Lease's, as a paused leader's fenced client
+        sends it (the Lease's holder, the epoch before): the API server must refuse it."""
+        leases = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases"
+        try:
+            lease = await self._api("GET", f"{leases}/{scope}")
+            spec = lease.get("spec") or {}
+            epoch, holder = int(spec.get("leaseTransitions") or 0), spec.get("holderIdentity")
+            if epoch < 2 or not holder:
+                return
+            review = await self._api(
+                "POST",
+                "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+            )
+            info = review["status"]["userInfo"]
+            identity = Identity(info["username"], tuple(info.get("groups", ())))
+            extras = {LEASE_EXTRA: f"{NAMESPACE}/{scope}", HOLDER_EXTRA: holder}
+            headers = identity.headers({**extras, EPOCH_EXTRA: str(epoch - 1)})
+            name = entity.split("/", 1)[1]
+            patch = {"status": {"observed": "zombie"}}
+            await self._api(
+                "PATCH",
+                f"{DEVICES_PATH}/{name}/status",
+                patch,
+                "application/merge-patch+json",
+                extra_headers=headers,
+            )
+        except ChaosError as exc:
+            if "403" not in str(exc) or FENCE_MARKER not in str(exc):
+                return  # the API was unreachable (a fault): not a verdict
+            refused = True
+        except (OSError, aiohttp.ClientError, TimeoutError):
+            return
+        else:
+            refused = False
+        self.report.counts["api_zombie"] += 1
+        if not refused:
+            self.report.counts["api_zombie_accepted"] += 1
+        verdict = "refused by the API server" if refused else "ADMITTED (the API fence is broken)"
+        self.say(f"a status patch of {entity} at epoch {epoch - 1} ({scope}): {verdict}")
 
     async def _change_specs(self) -> None:
         rate = self.options.changes_per_second

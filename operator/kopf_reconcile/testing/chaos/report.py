@@ -103,6 +103,11 @@ class Report:
             found.append(f"led at epochs the fence never recorded: {self.unrecorded}")
         if self.reversed_epochs:
             found.append(f"a leadership at an epoch below the one before: {self.reversed_epochs}")
+        if self.counts["api_zombie_accepted"]:
+            found.append(
+                f"{self.counts['api_zombie_accepted']} status patch(es) below the Lease's "
+                "epoch admitted by the API server"
+            )
         if self.counts["zombie_accepted"]:
             found.append(
                 f"{self.counts['zombie_accepted']} direct write(s) below the epoch accepted"
@@ -163,7 +168,8 @@ class Report:
             (
                 "API writes refused",
                 self.api_writes_refused,
-                "late status patches the API server's fence refused (its audit log)",
+                f"by the API server's fence (its audit log); {c['api_zombie']} of them sent "
+                "straight to it at the epoch below the Lease's",
             ),
             ("stale API writes accepted", len(self.stale_api_accepted), "must be 0"),
             (

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict
 
 from kopf_reconcile.sharding import ShardAssignment, shard_id
 from kopf_reconcile.testing.chaos.leadership import (
@@ -251,21 +252,29 @@ class Stage:
             await asyncio.wait(pending, timeout=START_TIMEOUT)
 
     async def _api(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        extra_headers: Any = None,
     ) -> Any:
         data = None if body is None else json.dumps(body)
-        headers = {"Content-Type": content_type} if body is not None else {}
+        headers: CIMultiDict[str] = CIMultiDict(self._headers)
+        headers.extend(extra_headers or {})  # repeated headers stay repeated (impersonation)
+        if body is not None:
+            headers["Content-Type"] = content_type
         async with self._session().request(
             method,
             self._cluster_url + path,
             data=data,
-            headers={**self._headers, **headers},
+            headers=headers,
             ssl=self._ssl if self._ssl is not None else True,
             timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT),
         ) as response:
             text = await response.text()
             if response.status >= 400:
-                raise ChaosError(f"{method} {path}: {response.status} {text[:200]}")
+                raise ChaosError(f"{method} {path}: {response.status} {text[:1000]}")
             return json.loads(text) if text else {}
 
     def _session(self) -> aiohttp.ClientSession:
