@@ -21,6 +21,7 @@ import ssl
 import subprocess
 import sys
 import tarfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import aiohttp
 import yaml
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from support import eventually
 
@@ -68,6 +70,8 @@ class Recorded:
     path: str
     query: str
     status: int
+    # The impersonation it asked for (the fenced client acts as itself with its lease).
+    impersonation: tuple[Attributes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Attributes:
     resource: str
     subresource: str
     namespace: str
+    name: str = ""  # for rules with resourceNames (impersonating one account)
 
     def review(self, user: str) -> dict[str, Any]:
         """A SubjectAccessReview of these attributes for ``user``."""
@@ -94,6 +99,7 @@ class Attributes:
                     "resource": self.resource,
                     "subresource": self.subresource,
                     "namespace": self.namespace,
+                    "name": self.name,
                 },
             },
         }
@@ -166,6 +172,40 @@ async def assert_every_verb_is_needed(
                 await eventually(none_denied, timeout=10, message=f"{what} restored")
 
 
+def impersonated(username: str, extra: Mapping[str, list[str]]) -> set[Attributes]:
+    """What the API server authorizes for a request acting as ``username`` with ``extra``:
+    ``impersonate`` on that account (or user) and on each extra's key and value."""
+    prefix = "system:serviceaccount:"
+    if username.startswith(prefix):
+        namespace, name = username.removeprefix(prefix).split(":", 1)
+        wanted = {Attributes("impersonate", "", "serviceaccounts", "", namespace, name)}
+    else:
+        wanted = {Attributes("impersonate", "", "users", "", "", username)}
+    for key, values in extra.items():
+        for value in values:
+            wanted.add(
+                Attributes("impersonate", "authentication.k8s.io", "userextras", key, "", value)
+            )
+    return wanted
+
+
+def requested_impersonation(headers: CIMultiDictProxy[str]) -> tuple[Attributes, ...]:
+    """The impersonation a request's headers ask for (none: no ``Impersonate-User``)."""
+    items = list(headers.items())
+    user = next((v for k, v in items if k.lower() == "impersonate-user"), None)
+    if user is None:
+        return ()
+    prefix = "impersonate-extra-"
+    extra: dict[str, list[str]] = {}
+    for key, value in items:
+        if key.lower().startswith(prefix):
+            extra.setdefault(unquote(key.lower().removeprefix(prefix)), []).append(value)
+    groups = headers.getall("Impersonate-Group", [])
+    wanted = impersonated(user, extra)
+    wanted |= {Attributes("impersonate", "", "groups", "", "", g) for g in groups}
+    return tuple(sorted(wanted, key=repr))
+
+
 def attributes(request: Recorded) -> Attributes | None:
     """The RBAC attributes of ``request``; ``None`` for discovery and other non-resource paths."""
     parts = [p for p in request.path.split("/") if p]
@@ -234,7 +274,7 @@ class RecordingProxy:
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() != "host")
         body = await request.read()
         async with self._session.request(
             request.method,
@@ -243,7 +283,13 @@ class RecordingProxy:
             data=body or None,
         ) as upstream:
             self.records.append(
-                Recorded(request.method, request.path, request.query_string, upstream.status)
+                Recorded(
+                    request.method,
+                    request.path,
+                    request.query_string,
+                    upstream.status,
+                    requested_impersonation(request.headers),
+                )
             )
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():

@@ -162,6 +162,32 @@ class PodNode:
         """Load an OCI archive into the node's containerd as ``name`` (never pulled)."""
         await self._ctr("images", "import", "--base-name", name, str(archive))
 
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (JSON lines, audit.k8s.io/v1 Events)."""
+        return self._dir / "audit.log"
+
+    async def freeze(self, namespace: str, pod: str, container: str) -> str:
+        """Pause a running container's processes with the cgroup freezer (a SIGSTOP of all
+        of them, which they cannot notice); its task id, for :meth:`thaw`."""
+        for line in (await self._ctr("tasks", "ls")).splitlines()[1:]:
+            task, _, status = line.split()
+            if status != "RUNNING":
+                continue
+            labels = json.loads(await self._ctr("containers", "info", task)).get("Labels") or {}
+            if (
+                labels.get("io.cri-containerd.kind") == "container"
+                and labels.get("io.kubernetes.pod.namespace") == namespace
+                and labels.get("io.kubernetes.pod.name") == pod
+                and labels.get("io.kubernetes.container.name") == container
+            ):
+                await self._ctr("tasks", "pause", task)
+                return task
+        raise NodeError(f"no running container {container} in pod {namespace}/{pod}")
+
+    async def thaw(self, task: str) -> None:
+        await self._ctr("tasks", "resume", task)
+
     def audit_events(self) -> list[dict[str, Any]]:
         """Every request the API server has answered so far (its audit log, metadata only)."""
         path = self._dir / "audit.log"

@@ -66,9 +66,16 @@ def write_configuration(d: Path, admin_token: str, kubelet_token: str) -> None:
         f'{admin_token},admin,admin,"system:masters"\n'
         f'{kubelet_token},system:node:{NODE_NAME},kubelet,"system:nodes"\n'
     )
+    # Lease writes with their result (the terms stale API writes are judged by), the rest
+    # as metadata (who, what, the impersonated extras, the answer).
+    lease_writes = {
+        "level": "RequestResponse",
+        "verbs": ["create", "update", "patch"],
+        "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}],
+    }
     (d / "audit-policy.yaml").write_text(yaml.safe_dump({
         "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
-        "omitStages": ["RequestReceived"], "rules": [{"level": "Metadata"}],
+        "omitStages": ["RequestReceived"], "rules": [lease_writes, {"level": "Metadata"}],
     }))  # fmt: skip
     inside = f"https://{NODE_IP}:{APISERVER_PORT}"
     write_kubeconfig(d, str(d / "kubeconfig-inside"), inside, "admin", admin_token)
