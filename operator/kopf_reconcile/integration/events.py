@@ -33,7 +33,7 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kopf_reconcile.events import EventRecord
-from kopf_reconcile.integration.api_client import LazyApiClient
+from kopf_reconcile.integration.api_client import LazyApiClient, SharedApiClient
 
 __all__ = ["DEFAULT_COMPONENT", "KubernetesEventSink"]
 
@@ -62,6 +62,7 @@ class KubernetesEventSink:
         instance: str | None = None,
         api: ApiClient | None = None,
         kubeconfig: str | None = None,
+        shared: SharedApiClient | None = None,
     ) -> None:
         """``lookup(entity_id)`` is the object's latest body (or None: nothing is posted).
 
@@ -71,7 +72,8 @@ class KubernetesEventSink:
         self._lookup = lookup
         self._component = component
         self._instance = instance or socket.gethostname()
-        self._client = LazyApiClient(api, kubeconfig)
+        # A handle on the process's shared client (closing it lets go), else one of its own.
+        self._client: LazyApiClient | SharedApiClient = shared or LazyApiClient(api, kubeconfig)
 
     async def post(self, record: EventRecord, previous: object | None) -> object | None:
         core: Any = CoreV1Api(await self._client.get())  # dict bodies: untyped calls

@@ -58,7 +58,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kopf_reconcile.api import ConfigError, Result
 from kopf_reconcile.fencing.writer import reconcile_lease
-from kopf_reconcile.integration.api_client import LazyApiClient
+from kopf_reconcile.integration.api_client import LazyApiClient, SharedApiClient
 from kopf_reconcile.integration.fenced_client import (
     ClientContext,
     FencedClient,
@@ -128,13 +128,15 @@ class FinalizerWriter:
         *,
         api: ApiClient | None = None,
         kubeconfig: str | None = None,
+        shared: SharedApiClient | None = None,
     ) -> None:
         self.name = name
         prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
         self._prefix = prefix
         self._plural = plural
         self._resource = Resource(group, version, plural)
-        self._client = LazyApiClient(api, kubeconfig)
+        # A handle on the process's shared client (closing it lets go), else one of its own.
+        self._client: LazyApiClient | SharedApiClient = shared or LazyApiClient(api, kubeconfig)
 
     async def add(self, body: Mapping[str, Any]) -> None:
         """Add the finalizer (before the object's first reconcile).

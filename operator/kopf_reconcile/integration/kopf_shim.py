@@ -344,7 +344,9 @@ class _Registration:
                 caches={(o.group, o.plural): cache, **related.caches},
             )
             if o.finalizer is not None:
-                writer = FinalizerWriter(o.finalizer, o.group, o.version, o.plural)
+                writer = FinalizerWriter(
+                    o.finalizer, o.group, o.version, o.plural, shared=shared_api_client()
+                )
                 self._owned.append(writer)
                 self.finalizing = Finalizing(writer)
             builder = (
@@ -372,7 +374,9 @@ class _Registration:
             if config.stop_timeout is not None:
                 builder.with_stop_timeout(config.stop_timeout)
             if o.events:
-                sink = KubernetesEventSink(cache.get, instance=config.pod_name)
+                sink = KubernetesEventSink(
+                    cache.get, instance=config.pod_name, shared=shared_api_client()
+                )
                 self._owned.append(sink)
                 builder.with_events(sink)
             loop = builder.build()
