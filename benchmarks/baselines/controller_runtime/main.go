@@ -247,7 +247,10 @@ func run(namespace, metricsAddress string, leaderElect bool, electionID string,
 		}
 	}
 	manager, err := ctrl.NewManager(config, ctrl.Options{
-		Cache:                         cache.Options{DefaultNamespaces: map[string]cache.Config{namespace: {}}},
+		Cache: cache.Options{DefaultNamespaces: map[string]cache.Config{namespace: {}}},
+		// Reads from the informer's cache, as a typed object's are: a Device is unstructured
+		// here only because this module has no generated types for it.
+		Client:                        client.Options{Cache: &client.CacheOptions{Unstructured: true}},
 		Metrics:                       metricsserver.Options{BindAddress: metricsAddress},
 		HealthProbeBindAddress:        "0",
 		LeaderElection:                leaderElect,
