@@ -181,6 +181,25 @@ func (r *deviceReconciler) write(ctx context.Context, entity, tenant string, doc
 	return nil
 }
 
+// createTables makes the tables once, whichever replica comes first (the lock serialises
+// replicas that start together: CREATE TABLE IF NOT EXISTS alone races).
+func createTables(ctx context.Context, pool *pgxpool.Pool) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after the commit
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('`+fenceTable+`'))`); err != nil {
+		return err
+	}
+	for _, statement := range schemaStatements {
+		if _, err := tx.Exec(ctx, statement); err != nil {
+			return err
+		}
+	}
+	return tx.Commit(ctx)
+}
+
 func workDelay() (time.Duration, error) {
 	raw := os.Getenv("DEVICES_WORK_DELAY")
 	if raw == "" {
@@ -241,10 +260,8 @@ func run(namespace, metricsAddress string, leaderElect bool, electionID string,
 		return err
 	}
 	defer pool.Close()
-	for _, statement := range schemaStatements {
-		if _, err := pool.Exec(ctx, statement); err != nil {
-			return fmt.Errorf("creating the tables: %w", err)
-		}
+	if err := createTables(ctx, pool); err != nil {
+		return fmt.Errorf("creating the tables: %w", err)
 	}
 	manager, err := ctrl.NewManager(config, ctrl.Options{
 		Cache: cache.Options{DefaultNamespaces: map[string]cache.Config{namespace: {}}},
