@@ -165,12 +165,16 @@ def operator_env(cluster: dict[str, str], dsn: str, namespace: str) -> dict[str,
 
 
 async def start_operator(
-    contestant: Contestant, namespace: str, env: dict[str, str], metrics_port: int | None
+    argv: list[str],
+    namespace: str,
+    env: dict[str, str],
+    metrics_port: int | None,
+    metrics_flag: str = "--metrics-port={port}",
 ) -> asyncio.subprocess.Process:
     """An operator process watching ``namespace``, its output discarded."""
-    extra = [] if metrics_port is None else [contestant.metrics_flag.format(port=metrics_port)]
+    extra = [] if metrics_port is None else [metrics_flag.format(port=metrics_port)]
     return await asyncio.create_subprocess_exec(
-        *contestant.argv,
+        *argv,
         *extra,
         f"--namespace={namespace}",
         env=env,
@@ -192,7 +196,10 @@ async def run(
             assert r.status == 201, await r.text()
         url = f"/apis/example.com/v1/namespaces/{namespace}/devices"
         metrics_port = free_port() if contestant.metrics_flag else None
-        process = await start_operator(contestant, namespace, env, metrics_port)
+        forget_samples(contestant.samples)  # a fresh process numbers its snapshots anew
+        process = await start_operator(
+            contestant.argv, namespace, env, metrics_port, contestant.metrics_flag
+        )
         try:
             await create(http, url, "warm-up")
             await until(lambda: stored(pool, namespace, 1), timeout=60)
@@ -248,6 +255,12 @@ async def cpu_samples(process: asyncio.subprocess.Process, path: Path | None) ->
             return samples
         await asyncio.sleep(0.02)
     raise TimeoutError(f"no CPU samples written to {path}")
+
+
+def forget_samples(path: Path | None) -> None:
+    """Remove the snapshot a previous operator process left, if any."""
+    if path is not None:
+        path.unlink(missing_ok=True)
 
 
 def read_samples(path: Path) -> tuple[int, dict[str, int]]:
