@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -41,6 +42,7 @@ import signal
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -52,12 +54,16 @@ import asyncpg
 import yaml
 from aiohttp import web
 
+from baselines.build import build as build_baseline
+from baselines.build import controller_runtime_version
 from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
-from results import result
+from operators.sampled import INTERVAL as SAMPLE_INTERVAL
+from results import result, table
 
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
+SAMPLED = ROOT / "benchmarks" / "operators" / "sampled.py"
 DRIVER = "kopf-reconcile-benchmark"  # the User-Agent of the benchmark's own requests
 COUNTS = "/_benchmark/requests"  # the cluster process's request counts (GET, DELETE resets)
 SCOPE = "devices.example.com-reconcile-device"  # the fence scope both operators write to
@@ -70,6 +76,9 @@ class Contestant:
     name: str
     label: str
     argv: list[str]
+    metrics_flag: str = ""  # the flag that serves its metrics on a port, formatted with it
+    reconciles_metric: str = ""  # the counter of its reconciles in /metrics (every result)
+    samples: Path | None = None  # where operators/sampled.py writes its CPU samples, if run so
 
 
 @dataclasses.dataclass
@@ -82,6 +91,7 @@ class Outcome:
     rss_growth: float  # bytes: peak RSS at the end less the peak after the warm-up
     reconciles: float  # reconciles of Devices (shim only, from its metrics; NaN otherwise)
     cores_busy: float  # the machine's busy cores until every state was stored (all processes)
+    samples: dict[str, int]  # CPU samples by owner (operators/sampled.py), if it ran under it
 
     @property
     def total(self) -> int:
@@ -155,10 +165,14 @@ def operator_env(cluster: dict[str, str], dsn: str, namespace: str) -> dict[str,
 
 
 async def start_operator(
-    argv: list[str], namespace: str, env: dict[str, str], metrics_port: int | None
+    argv: list[str],
+    namespace: str,
+    env: dict[str, str],
+    metrics_port: int | None,
+    metrics_flag: str = "--metrics-port={port}",
 ) -> asyncio.subprocess.Process:
     """An operator process watching ``namespace``, its output discarded."""
-    extra = [] if metrics_port is None else [f"--metrics-port={metrics_port}"]
+    extra = [] if metrics_port is None else [metrics_flag.format(port=metrics_port)]
     return await asyncio.create_subprocess_exec(
         *argv,
         *extra,
@@ -181,13 +195,17 @@ async def run(
         async with http.post("/api/v1/namespaces", json={"metadata": {"name": namespace}}) as r:
             assert r.status == 201, await r.text()
         url = f"/apis/example.com/v1/namespaces/{namespace}/devices"
-        metrics_port = free_port() if contestant.name == "shim" else None
-        process = await start_operator(contestant.argv, namespace, env, metrics_port)
+        metrics_port = free_port() if contestant.metrics_flag else None
+        forget_samples(contestant.samples)  # a fresh process numbers its snapshots anew
+        process = await start_operator(
+            contestant.argv, namespace, env, metrics_port, contestant.metrics_flag
+        )
         try:
             await create(http, url, "warm-up")
             await until(lambda: stored(pool, namespace, 1), timeout=60)
             await http.delete(COUNTS)
-            reconciles_before = await reconcile_total(metrics_port)
+            reconciles_before = await reconcile_total(contestant, metrics_port)
+            samples_before = await cpu_samples(process, contestant.samples)
             rss_before = peak_rss(process.pid)
             cpu_before = cpu_seconds(process.pid)
             machine_before = machine_jiffies()
@@ -203,15 +221,54 @@ async def run(
             reported_after = time.perf_counter() - started
             cpu = cpu_seconds(process.pid) - cpu_before
             rss_growth = peak_rss(process.pid) - rss_before
+            samples = await cpu_samples(process, contestant.samples)
+            samples = {k: n - samples_before.get(k, 0) for k, n in samples.items()}
             async with http.get(COUNTS) as response:
                 requests = await response.json()
             await asyncio.sleep(0.5)  # the echoes of the last status patches, if any
-            reconciles = await reconcile_total(metrics_port) - reconciles_before
+            reconciles = await reconcile_total(contestant, metrics_port) - reconciles_before
         finally:
             await stop_operator(process)
     return Outcome(
-        created, stored_after, reported_after, cpu, requests, rss_growth, reconciles, cores_busy
+        created,
+        stored_after,
+        reported_after,
+        cpu,
+        requests,
+        rss_growth,
+        reconciles,
+        cores_busy,
+        samples,
     )
+
+
+async def cpu_samples(process: asyncio.subprocess.Process, path: Path | None) -> dict[str, int]:
+    """The CPU samples by owner so far of an operator run by operators/sampled.py ({} if not)."""
+    if path is None:
+        return {}
+    seq = read_samples(path)[0]
+    process.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now, samples = read_samples(path)
+        if now > seq:
+            return samples
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"no CPU samples written to {path}")
+
+
+def forget_samples(path: Path | None) -> None:
+    """Remove the snapshot a previous operator process left, if any."""
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def read_samples(path: Path) -> tuple[int, dict[str, int]]:
+    """The last snapshot operators/sampled.py wrote: its number and its samples ((0, {}): none)."""
+    with contextlib.suppress(OSError, ValueError):
+        snapshot = json.loads(path.read_text())
+        return int(snapshot["seq"]), {str(k): int(v) for k, v in snapshot["samples"].items()}
+    return 0, {}
 
 
 def free_port() -> int:
@@ -221,19 +278,18 @@ def free_port() -> int:
         return port
 
 
-async def reconcile_total(port: int | None) -> float:
-    """Reconciles the shim has run (every result), from its /metrics; NaN without them."""
+async def reconcile_total(contestant: Contestant, port: int | None) -> float:
+    """Reconciles the operator has run (every result), from its /metrics; NaN without them."""
     if port is None:
         return float("nan")
+    prefix = contestant.reconciles_metric + "{"
     async with (
         aiohttp.ClientSession() as http,
         http.get(f"http://127.0.0.1:{port}/metrics") as response,
     ):
         text = await response.text()
     return sum(
-        float(line.rpartition(" ")[2])
-        for line in text.splitlines()
-        if line.startswith("kopf_reconcile_reconcile_total{")
+        float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(prefix)
     )
 
 
@@ -356,29 +412,44 @@ async def until(
 # -- the comparison -------------------------------------------------------------------------
 
 
-async def main(devices: int, rounds: int, shim_handlers: Path) -> None:
-    contestants = [
-        Contestant(
-            "plain",
-            "plain kopf on.create/update",
-            [str(BIN / "kopf"), "run", str(ROOT / "benchmarks/operators/plain_kopf_devices.py")],
-        ),
-        Contestant(
-            "shim",
-            "kopf-reconcile shim",
-            [str(BIN / "kopf-reconcile"), "run", str(shim_handlers)],
-        ),
-    ]  # fmt: skip
-    outcomes: dict[str, list[Outcome]] = {c.name: [] for c in contestants}
-    async with cluster_process() as cluster, EmbeddedPostgres() as postgres:
-        async with aiohttp.ClientSession(base_url=cluster["url"]) as http:
-            await install_devices_crd(http)
-        for round_ in range(rounds):  # alternate who goes first
-            for contestant in contestants if round_ % 2 == 0 else contestants[::-1]:
-                dsn = await postgres.create_database()
-                namespace = f"bench-{contestant.name}-{round_}"
-                outcome = await run(contestant, devices, cluster, dsn, namespace)
-                outcomes[contestant.name].append(outcome)
+async def main(devices: int, rounds: int, shim_handlers: Path, names: list[str]) -> None:
+    with tempfile.TemporaryDirectory(prefix="kopf-e2e-") as workdir:
+        samples = Path(workdir) / "samples.json"
+        contestants = [
+            Contestant(
+                "plain",
+                "plain kopf on.create/update",
+                [str(BIN / "kopf"), "run", str(ROOT / "benchmarks/operators/plain_kopf_devices.py")],  # noqa: E501
+            ),
+            Contestant(
+                "shim",
+                "kopf-reconcile shim",
+                [sys.executable, str(SAMPLED), str(samples), str(shim_handlers), "--", "run",
+                 str(shim_handlers)],
+                metrics_flag="--metrics-port={port}",
+                reconciles_metric="kopf_reconcile_reconcile_total",
+                samples=samples,
+            ),
+            Contestant(
+                "controller-runtime",
+                f"controller-runtime {controller_runtime_version()}",
+                [str(build_baseline()), "--leader-election-id=devices-controller-runtime"],
+                metrics_flag="--metrics-bind-address=127.0.0.1:{port}",
+                reconciles_metric="controller_runtime_reconcile_total",
+            ),
+        ]  # fmt: skip
+        contestants = [c for c in contestants if c.name in names]
+        outcomes: dict[str, list[Outcome]] = {c.name: [] for c in contestants}
+        async with cluster_process() as cluster, EmbeddedPostgres() as postgres:
+            async with aiohttp.ClientSession(base_url=cluster["url"]) as http:
+                await install_devices_crd(http)
+            for round_ in range(rounds):  # rotate who goes first
+                shift = round_ % len(contestants)
+                for contestant in contestants[shift:] + contestants[:shift]:
+                    dsn = await postgres.create_database()
+                    namespace = f"bench-{contestant.name}-{round_}"
+                    outcome = await run(contestant, devices, cluster, dsn, namespace)
+                    outcomes[contestant.name].append(outcome)
     report(devices, rounds, contestants, outcomes)
 
 
@@ -394,13 +465,13 @@ def report(
         f"{created:.2f}s); time until all are reconciled, median of {rounds} rounds"
     )
     print(
-        f"{'':<28} {'state stored':>12} {'status':>8} {'requests/Device':>16} "
+        f"{'':<30} {'state stored':>12} {'status':>8} {'requests/Device':>16} "
         f"{'writes/Device':>14} {'operator CPU':>13} {'CPU s/1k':>9} {'RSS KiB/Device':>15} "
         f"{'reconciles/Device':>18} {'cores busy':>11}"
     )
     for c in contestants:
         print(
-            f"{c.label:<28} {median(c.name, lambda o: o.stored):>11.2f}s "
+            f"{c.label:<30} {median(c.name, lambda o: o.stored):>11.2f}s "
             f"{median(c.name, lambda o: o.reported):>7.2f}s "
             f"{median(c.name, lambda o: o.total) / devices:>16.2f} "
             f"{median(c.name, lambda o: o.writes) / devices:>14.2f} "
@@ -415,55 +486,153 @@ def report(
         print(
             f"  {c.name}: state stored per round {runs}; requests {outcomes[c.name][-1].requests}"
         )
-    stored = median("plain", lambda o: o.stored) / median("shim", lambda o: o.stored)
-    status = median("plain", lambda o: o.reported) / median("shim", lambda o: o.reported)
-    print(f"shim speed-up: {stored:.2f}x until state stored (target >= 3x), {status:.2f}x status")
-    cpu = median("plain", lambda o: o.cpu) / median("shim", lambda o: o.cpu)
-    print(f"operator CPU per Device: plain / shim = {cpu:.2f}x (target >= 3x)")
-    shim, plain = outcomes["shim"], outcomes["plain"]
+    names = {c.name for c in contestants}
     scale = f" ({devices:,} Devices)"
+    if "shim" in outcomes:
+        loop_share(devices, outcomes["shim"], scale)
+    for baseline, target, label in (
+        ("plain", (">=", 3.0), "plain kopf"),
+        ("controller-runtime", None, "controller-runtime"),
+    ):
+        if not {"shim", baseline} <= names:
+            continue
+        stored = median(baseline, lambda o: o.stored) / median("shim", lambda o: o.stored)
+        status = median(baseline, lambda o: o.reported) / median("shim", lambda o: o.reported)
+        cpu = median(baseline, lambda o: o.cpu) / median("shim", lambda o: o.cpu)
+        goal = f" (target >= {target[1]:g}x)" if target else ""
+        print(
+            f"shim speed-up vs {label}: {stored:.2f}x until state stored{goal}, "
+            f"{status:.2f}x status"
+        )
+        print(f"operator CPU per Device: {label} / shim = {cpu:.2f}x{goal}")
+        comparison(devices, outcomes["shim"], outcomes[baseline], label, target=target)
+    side_by_side(devices, contestants, outcomes)
+
+
+def comparison(
+    devices: int,
+    shim: list[Outcome],
+    base: list[Outcome],
+    label: str,
+    *,
+    target: tuple[str, float] | None,
+) -> None:
+    """The four RESULT lines of the shim against one baseline (targets against plain kopf)."""
+    scale = f" ({devices:,} Devices)"
+    cores = f"machine cores busy until stored (of {os.cpu_count()}), shim"
     result(
         "kopf_e2e",
-        "time until every state is stored, shim vs plain kopf" + scale,
+        f"time until every state is stored, shim vs {label}" + scale,
         ours=[o.stored for o in shim],
-        baseline=[o.stored for o in plain],
+        baseline=[o.stored for o in base],
         unit="s",
         ratio="baseline/ours",
-        target=(">=", 3.0),
+        target=target,
         extra={
-            f"machine cores busy until stored (of {os.cpu_count()}), shim": median(
-                "shim", lambda o: o.cores_busy
-            ),
-            "plain": median("plain", lambda o: o.cores_busy),
+            cores: statistics.median(o.cores_busy for o in shim),
+            label: statistics.median(o.cores_busy for o in base),
         },
     )
     result(
         "kopf_e2e",
-        "operator CPU seconds per 1,000 Devices, shim vs plain kopf" + scale,
+        f"operator CPU seconds per 1,000 Devices, shim vs {label}" + scale,
         ours=[o.cpu * 1000 / devices for o in shim],
-        baseline=[o.cpu * 1000 / devices for o in plain],
+        baseline=[o.cpu * 1000 / devices for o in base],
         unit="s",
         ratio="baseline/ours",
-        target=(">=", 3.0),
-        extra={"shim reconciles per Device": median("shim", lambda o: o.reconciles) / devices},
+        target=target,
+        extra={
+            "shim reconciles per Device": statistics.median(o.reconciles for o in shim) / devices
+        },
     )
     result(
         "kopf_e2e",
-        "operator peak RSS growth per Device, shim vs plain kopf" + scale,
+        f"operator peak RSS growth per Device, shim vs {label}" + scale,
         ours=[o.rss_growth / 1024 / devices for o in shim],
-        baseline=[o.rss_growth / 1024 / devices for o in plain],
+        baseline=[o.rss_growth / 1024 / devices for o in base],
         unit="KiB",
         ratio="ours/baseline",
-        target=("<=", 1.0),
+        target=None if target is None else ("<=", 1.0),
     )
     result(
         "kopf_e2e",
-        "API requests per Device, shim vs plain kopf" + scale,
+        f"API requests per Device, shim vs {label}" + scale,
         ours=[o.total / devices for o in shim],
-        baseline=[o.total / devices for o in plain],
+        baseline=[o.total / devices for o in base],
         unit="",
         ratio="ours/baseline",
-        target=("<=", 1.0),
+        target=None if target is None else ("<=", 1.0),
+    )
+
+
+def loop_share(devices: int, shim: list[Outcome], scale: str) -> None:
+    """The Loop's own share of the shim's CPU (operators/sampled.py), reported with dispatch."""
+    totals: collections.Counter[str] = collections.Counter()
+    for outcome in shim:
+        totals.update(outcome.samples)
+    samples = sum(totals.values())
+    if not samples:
+        return
+    shares = {owner: n / samples for owner, n in totals.most_common()}
+    cpu = statistics.median(o.cpu for o in shim)
+    reconciles = statistics.median(o.reconciles for o in shim)
+    per_reconcile = cpu / reconciles if reconciles else float("nan")
+    print(
+        f"shim CPU by owner ({samples:,} samples, one every {SAMPLE_INTERVAL * 1000:g} ms of CPU): "
+        + ", ".join(f"{owner} {share:.1%}" for owner, share in shares.items())
+    )
+    print(
+        f"the Loop's own share: {shares.get('loop', 0.0):.2%} of {per_reconcile * 1e6:,.0f} us of "
+        f"operator CPU per reconcile = {shares.get('loop', 0.0) * per_reconcile * 1e6:.1f} us "
+        "(target < 2 %)"
+    )
+    result(
+        "dispatch",
+        "the Loop's own CPU per reconcile, vs the operator's CPU per reconcile, in kopf_e2e "
+        f"(sampled){scale}",
+        ours=[shares.get("loop", 0.0) * per_reconcile * 1e6],
+        baseline=[per_reconcile * 1e6],
+        unit="us",
+        ratio="ours/baseline",
+        target=("<=", 0.02),
+        extra={
+            "samples": float(samples),
+            "reconciler share": shares.get("reconciler", 0.0),
+            "rest of kopf_reconcile": shares.get("kopf_reconcile", 0.0),
+            "kopf": shares.get("kopf", 0.0),
+            "other": shares.get("other", 0.0),
+        },
+    )
+
+
+def side_by_side(
+    devices: int, contestants: list[Contestant], outcomes: dict[str, list[Outcome]]
+) -> None:
+    """The three-way rows of RESULTS.md's end-to-end table (a ``TABLE`` line)."""
+    order = ["shim", "plain", "controller-runtime"]
+    present = [name for name in order if name in outcomes]
+    if len(present) < len(order):
+        return
+
+    def cell(name: str, value: Callable[[Outcome], float], fmt: str) -> str:
+        return format(statistics.median(value(o) for o in outcomes[name]), fmt)
+
+    figures: list[tuple[str, Callable[[Outcome], float], str]] = [
+        ("time to converge (s)", lambda o: o.stored, ".2f"),
+        ("operator CPU per Device (ms)", lambda o: o.cpu * 1000 / devices, ".2f"),
+        ("RSS growth per Device (KiB)", lambda o: o.rss_growth / 1024 / devices, ".2f"),
+        ("API requests per Device", lambda o: o.total / devices, ".2f"),
+        ("machine cores busy until converged", lambda o: o.cores_busy, ".2f"),
+    ]
+    rows = [
+        [f"{devices:,}", label, *(cell(name, value, fmt) for name in order)]
+        for label, value, fmt in figures
+    ]
+    labels = {c.name: c.label for c in contestants}
+    table(
+        "end_to_end",
+        ["Devices", "figure", "kopf-reconcile", "plain kopf", labels["controller-runtime"]],
+        rows,
     )
 
 
@@ -477,9 +646,15 @@ if __name__ == "__main__":
         default=ROOT / "operator" / "examples" / "devices.py",
         help="the handlers file the shim runs (default: the example operator)",
     )
+    parser.add_argument(
+        "--contestants",
+        default="plain,shim,controller-runtime",
+        help="which operators run (comma-separated; default: all three)",
+    )
     parser.add_argument("--serve-cluster", action="store_true", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.serve_cluster:
         asyncio.run(serve_cluster())
     else:
-        asyncio.run(main(arguments.devices, arguments.rounds, arguments.shim_handlers))
+        chosen = arguments.contestants.split(",")
+        asyncio.run(main(arguments.devices, arguments.rounds, arguments.shim_handlers, chosen))

@@ -35,3 +35,10 @@ def result(
         "extra": extra or {},
     }
     print("RESULT " + json.dumps(line), flush=True)
+
+
+def table(name: str, columns: list[str], rows: list[list[str]]) -> None:
+    """Rows of a side-by-side table in RESULTS.md (scripts/bench.py joins the rows of one
+    ``name`` from every run, in the order they came, under the first run's ``columns``)."""
+    line = {"table": name, "columns": columns, "rows": rows}
+    print("TABLE " + json.dumps(line), flush=True)
