@@ -92,7 +92,7 @@ chaos: $(STAMP)
 		--elector $(ELECTOR) --devices $(DEVICES) --tier $(TIER) --shards $(SHARDS)
 
 # Every benchmark, then benchmarks/RESULTS.md (this project vs its baseline, same run); < 15 min.
-bench: $(BENCH_STAMP) tools
+bench: $(BENCH_STAMP) tools real-apiserver
 	$(BIN)/python scripts/bench.py
 
 clean:
