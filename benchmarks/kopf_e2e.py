@@ -134,9 +134,10 @@ async def serve_cluster() -> None:
 
 
 @asynccontextmanager
-async def cluster_process() -> AsyncIterator[dict[str, str]]:
+async def cluster_process(script: str = __file__) -> AsyncIterator[dict[str, str]]:
+    """``script --serve-cluster`` (its ``serve_cluster``) as a process: what it prints."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--serve-cluster", stdout=asyncio.subprocess.PIPE
+        sys.executable, script, "--serve-cluster", stdout=asyncio.subprocess.PIPE
     )
     try:
         assert process.stdout is not None

@@ -63,7 +63,7 @@ import yaml
 from aiohttp import web
 
 from baselines.build import build as build_baseline
-from kopf_e2e import free_port, install_devices_crd, until
+from kopf_e2e import cluster_process, free_port, install_devices_crd, until
 from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 from results import result, table
@@ -142,19 +142,6 @@ def socket_owner(port: int, server_port: int) -> int | None:
                     if os.readlink(f"/proc/{pid}/fd/{fd}") == wanted:
                         return int(pid)
     return None
-
-
-@asynccontextmanager
-async def cluster_process() -> AsyncIterator[dict[str, str]]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--serve-cluster", stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        assert process.stdout is not None
-        yield json.loads(await asyncio.wait_for(process.stdout.readline(), 60))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        await process.wait()
 
 
 def kubeconfig_with_token(source: str, token: str, target: Path) -> Path:
@@ -551,7 +538,7 @@ async def main(args: argparse.Namespace) -> None:
     zombies: dict[str, list[Zombie]] = collections.defaultdict(list)
     with workspace(args.keep) as workdir:
         async with (
-            cluster_process() as cluster,
+            cluster_process(__file__) as cluster,
             EmbeddedPostgres() as postgres,
             aiohttp.ClientSession(
                 base_url=cluster["url"], headers={"Authorization": f"Bearer {DRIVER}"}
