@@ -1,7 +1,9 @@
 """The reconcile Loop: the worker switch and the leadership callbacks around a queue.
 
-(Over 400 lines on purpose: the worker switch and the leadership callbacks share the
-dispatch state and read as one unit, as controller-runtime's controller does.)
+(Over 600 lines on purpose: the worker switch, the leadership callbacks and the
+hand-off share the dispatch state (the queue's dispatching flag, the workers and the
+reconciles in flight) and read as one unit, as controller-runtime's controller does.
+What the end of a reconcile does is :mod:`kopf_reconcile.outcomes`.)
 
 A Loop pulls entity ids from its triggers (each run under
 :func:`~kopf_reconcile.triggers.supervise`) into a
@@ -75,11 +77,9 @@ from kopf_reconcile.api import (
     ConfigError,
     PermanentError,
     Request,
-    Result,
     as_reconcile_fn,
     seconds,
 )
-from kopf_reconcile.backoff import requeue_jitter
 from kopf_reconcile.config import LoopConfig
 from kopf_reconcile.control.holding import LeaseHolder
 from kopf_reconcile.control.layout_wait import LayoutWait
@@ -102,6 +102,7 @@ from kopf_reconcile.fencing.writer import (
 )
 from kopf_reconcile.leader.protocol import FloorAwareElector, LeaseToken
 from kopf_reconcile.metrics import BoundMetrics
+from kopf_reconcile.outcomes import ReconcileOutcomes
 from kopf_reconcile.tenancy import MalformedEntityId, Tenancy
 from kopf_reconcile.triggers import Emitter, supervise
 
@@ -165,6 +166,10 @@ class Loop:
         self._tenant_scoped = config.tenancy is Tenancy.TENANT_SCOPED
         self._events: LoopEvents | None = None  # with an event sink (see kopf_reconcile.events)
         self._durable: DurableDeadLetters | None = None  # with a DeadLetterStore repository
+        # What the end of each reconcile does; made again by start(), with what it binds.
+        self._outcomes = ReconcileOutcomes(
+            config, self._name, self._metrics, step_down=self._step_down_fenced
+        )
         # While a hand-off waits, a term's first dispatch (after its dead letters load)
         # waits too: it runs only if the hand-off gives up (see hand_off).
         self._handing_off = False
@@ -238,6 +243,14 @@ class Loop:
                 interval=cfg.redrive_interval,
             )
         self._metrics_enabled = cfg.metrics is not None
+        self._outcomes = ReconcileOutcomes(
+            cfg,
+            self._name,
+            self._metrics,
+            events=self._events,
+            durable=self._durable,
+            step_down=self._step_down_fenced,
+        )
         if cfg.leader is not None and isinstance(cfg.fenced_repo, EpochRecordingRepository):
             self._recorder = cfg.fenced_repo
             if isinstance(cfg.leader, FloorAwareElector):
@@ -494,7 +507,7 @@ class Loop:
                 raise asyncio.CancelledError  # the reconciler swallowed a cancellation
         except asyncio.CancelledError as exc:
             if not task.cancelling():  # raised by the reconciler itself: a failure
-                self._failed(queue, entity, exc)
+                self._outcomes.failed(queue, entity, exc)
                 return
             queue.done_requeue(entity)
             self._metrics.results["canceled"].inc()
@@ -505,19 +518,19 @@ class Loop:
                 self._metrics.results["canceled"].inc()
                 raise asyncio.CancelledError from exc
             if isinstance(exc, MalformedEntityId):
-                self._dead_letter(queue, entity, f"malformed entity id: {exc}")
+                self._outcomes.dead_letter(queue, entity, f"malformed entity id: {exc}")
             elif isinstance(exc, PermanentError):
-                self._dead_letter(
+                self._outcomes.dead_letter(
                     queue, entity, f"permanent error: {exc!r}", message=str(exc) or repr(exc)
                 )
             elif isinstance(exc, StaleEpochError):
-                self._fenced(queue, entity, exc)
+                self._outcomes.fenced(queue, entity, exc)
             else:
-                self._failed(queue, entity, exc)
+                self._outcomes.failed(queue, entity, exc)
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
                     raise  # the process is meant to end; the entity's state is consistent
         else:
-            self._succeeded(queue, entity, outcome)
+            self._outcomes.succeeded(queue, entity, outcome)
         finally:
             if writer_token is not None:
                 unbind_writer(writer_token)
@@ -529,78 +542,8 @@ class Loop:
                 metrics.reconcile_time.observe(elapsed)
                 metrics.work_duration.observe(elapsed)
 
-    def _succeeded(self, queue: DispatchQueue, entity: str, outcome: object) -> None:
-        requeue_after: float | None
-        if outcome is None:
-            requeue_after = 0.0
-        elif isinstance(outcome, Result):
-            requeue_after = outcome.requeue_after
-        else:
-            self._dead_letter(
-                queue,
-                entity,
-                f"reconciler returned {outcome!r}; it must return kopf_reconcile.Result or None "
-                "(a programmer error)",
-            )
-            return
-        cfg = self._config
-        if self._metrics_enabled:
-            self._metrics.results["requeue_after" if requeue_after else "success"].inc()
-        if not requeue_after:
-            requeue_after = requeue_jitter(cfg.rng, cfg.interval) if cfg.default_requeue else None
-        queue.done_success(entity, requeue_after)
-        if self._events is not None:
-            self._events.succeeded(entity)
-        if self._durable is not None:
-            self._durable.succeeded(entity)
-
-    def _failed(self, queue: DispatchQueue, entity: str, exc: BaseException) -> None:
-        delay = queue.done_error(entity)
-        metrics = self._metrics
-        metrics.results["error"].inc()
-        metrics.errors.inc()
-        metrics.retries.inc()
-        if self._events is not None:
-            self._events.failed(entity, exc)
-        logger.error(
-            "reconcile of %r by %s failed; retrying in %.3fs: %r",
-            entity,
-            self._name,
-            delay,
-            exc,
-            exc_info=exc,
-            extra={"controller": self._name, "entity": entity},
-        )
-
-    def _dead_letter(
-        self, queue: DispatchQueue, entity: str, reason: str, message: str | None = None
-    ) -> None:
-        """Dead-letter ``entity``: ``reason`` for the log, ``message`` (default: the reason)
-        for its Event and its durable dead letter."""
-        queue.done_permanent(entity)
-        self._metrics.results["permanent"].inc()
-        if self._events is not None:
-            self._events.dead_lettered(entity, message or reason)
-        if self._durable is not None:
-            self._durable.dead_lettered(entity, message or reason)
-        logger.error(
-            "entity %r of %s dead-lettered (no retry until a fresh trigger): %s",
-            entity,
-            self._name,
-            reason,
-            extra={"controller": self._name, "entity": entity},
-        )
-
-    def _fenced(self, queue: DispatchQueue, entity: str, exc: StaleEpochError) -> None:
-        queue.done_requeue(entity)
-        self._metrics.results["fenced"].inc()
-        logger.warning(
-            "reconcile of %r by %s was fenced (%s); stepping down: a higher epoch has written",
-            entity,
-            self._name,
-            exc,
-            extra={"controller": self._name, "entity": entity},
-        )
+    def _step_down_fenced(self, queue: DispatchQueue) -> None:
+        """A fenced write was rejected: a higher epoch has led, so stop leading now."""
         if self._holder is not None and self._holder.leading:
             # Stop dispatch now; the control plane steps down and re-acquires.
             queue.close_dispatch()

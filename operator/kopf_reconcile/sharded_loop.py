@@ -17,7 +17,8 @@ What this module adds:
   shard keep queuing its ids, as a follower Loop does.
 * **a writer fenced per shard**: a reconcile's writer writes only entities of its
   shard (anything else is a :class:`~kopf_reconcile.PermanentError`): an entity is
-  fenced in its own shard's scope only, never in two.
+  fenced in its own shard's scope only, never in two
+  (:class:`~kopf_reconcile.shard_fence.ShardFence`, each shard Loop's repository).
 * **one shard layout per scope**: before a shard first leads, the base scope records
   the layout (``record_shard_count``); an unsharded leader of the scope, or one
   with another count, is refused (a :class:`~kopf_reconcile.ConfigError`), and so is
@@ -51,21 +52,19 @@ import dataclasses
 import datetime
 import functools
 import logging
-from typing import Any
 
-from kopf_reconcile.api import ConfigError, PermanentError, Request, seconds
+from kopf_reconcile.api import ConfigError, Request, seconds
 from kopf_reconcile.config import LoopConfig
 from kopf_reconcile.control.balance import balance, member_id, view_from_records
 from kopf_reconcile.control.layout_wait import LayoutRefused
 from kopf_reconcile.fencing.protocol import (
-    DeadLetter,
-    FencedRepository,
     LoopBoundRepository,
     ShardableRepository,
     ShardLayoutError,
 )
 from kopf_reconcile.leader.protocol import LeaseContended, LeaseLister, LeaseLost, LeaseToken
 from kopf_reconcile.loop import Loop, LoopStats
+from kopf_reconcile.shard_fence import ShardFence
 from kopf_reconcile.sharding import ShardAssignment, shard_id
 from kopf_reconcile.triggers import Emitter, supervise
 
@@ -122,7 +121,7 @@ class ShardedLoop(Loop):
                 reconciler_id=shard_id(self.reconciler_id, k),
                 shard_of=self.reconciler_id,
                 metric_labels=(self.reconciler_id, str(k)),
-                fenced_repo=None if repo is None else _ShardFence(self, repo, k),
+                fenced_repo=None if repo is None else ShardFence(self, repo, k),
             )
             sub.validate()
             self._shard_loops.append(Loop(sub, may_acquire=functools.partial(self._may_lead, k)))
@@ -435,103 +434,3 @@ class ShardedLoop(Loop):
             f"<ShardedLoop {self.name} shards={self.shards} held={self.held_shards()} "
             f"target={self._target}>"
         )
-
-
-# Dead-letter methods a shard's repository answers for entities of its own shard only.
-_OWN_SHARD_ONLY = frozenset(
-    {"record_dead_letter", "clear_dead_letter", "take_redrives", "dead_letters"}
-)
-
-
-class _ShardFence:
-    """Shard ``k``'s repository: its own scope, writes of its own entities only.
-
-    Every other capability of the shard's repository (binding, epoch floors) passes
-    through; recording an epoch first records the shard count in the base scope (once,
-    and again after a layout refusal), and a layout refusal becomes a retry with backoff
-    (:class:`~kopf_reconcile.control.layout_wait.LayoutRefused`). Dead letters are kept
-    for entities of its own shard only, as writes are: recording or clearing another
-    shard's is refused, and a dead letter or redrive request of another shard's entity
-    found in its scope is dropped with a warning (the store keeps each in its entity's
-    shard scope; this is the second line of defence).
-    """
-
-    def __init__(self, owner: ShardedLoop, base: FencedRepository, shard: int) -> None:
-        assert isinstance(base, ShardableRepository)
-        self._owner = owner
-        self._shard = shard
-        self._repo: Any = base.for_shard(shard)
-
-    def _check_home(self, entity_id: object, what: str) -> None:
-        if isinstance(entity_id, str) and entity_id:
-            home = self._owner.shard_of(entity_id)
-            if home != self._shard:
-                raise PermanentError(
-                    f"entity {entity_id!r} belongs to shard {home} of "
-                    f"{self._owner.reconciler_id!r}, not to shard {self._shard} whose "
-                    f"{what}: a shard writes only entities of its own shard"
-                )
-
-    def _mine(self, entity_ids: list[str], what: str) -> list[str]:
-        """``entity_ids`` of this shard; the others are logged as dropped."""
-        mine: list[str] = []
-        for entity_id in entity_ids:
-            home = self._owner.shard_of(entity_id)
-            if home == self._shard:
-                mine.append(entity_id)
-            else:
-                logger.warning(
-                    "loop %s: dropped the %s of %r found in shard %d's scope: the entity "
-                    "belongs to shard %d (request it again if needed)",
-                    self._owner.name,
-                    what,
-                    entity_id,
-                    self._shard,
-                    home,
-                    extra={"controller": self._owner.name},
-                )
-        return mine
-
-    async def apply_fenced(self, entity_id: str, epoch: int, mutation: object) -> bool:
-        self._check_home(entity_id, "reconcile writes it")
-        accepted: bool = await self._repo.apply_fenced(entity_id, epoch, mutation)
-        return accepted
-
-    # The dead-letter capability, when the shard's repository has it (see __getattr__).
-
-    async def _record_dead_letter(
-        self, inner: Any, entity_id: str, epoch: int, reason: str
-    ) -> bool:
-        self._check_home(entity_id, "dead letter it would record")
-        return bool(await inner(entity_id, epoch, reason))
-
-    async def _clear_dead_letter(self, inner: Any, entity_id: str, epoch: int) -> bool:
-        self._check_home(entity_id, "dead letter it would clear")
-        return bool(await inner(entity_id, epoch))
-
-    async def _take_redrives(self, inner: Any, epoch: int) -> list[str]:
-        return self._mine(list(await inner(epoch)), "redrive request")
-
-    async def _dead_letters(self, inner: Any) -> list[DeadLetter]:
-        letters: list[DeadLetter] = list(await inner())
-        mine = set(self._mine([letter.entity_id for letter in letters], "dead letter"))
-        return [letter for letter in letters if letter.entity_id in mine]
-
-    async def record_epoch(self, epoch: int, holder: str) -> None:
-        try:
-            await self._owner._claim_shard_count()
-            await self._repo.record_epoch(epoch, holder)
-        except ShardLayoutError as exc:
-            raise self._owner._layout_refused(exc) from None
-        self._owner._layout_accepted()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_repo", "_owner", "_shard"):
-            raise AttributeError(name)
-        inner = getattr(self._repo, name)
-        if name in _OWN_SHARD_ONLY:
-            return functools.partial(getattr(self, f"_{name}"), inner)
-        return inner
-
-    def __repr__(self) -> str:
-        return f"<shard {self._shard} of {self._repo!r}>"

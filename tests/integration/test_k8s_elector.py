@@ -22,7 +22,6 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 import kopf_reconcile as kr
-from kopf_reconcile.leader import kubernetes as k8s
 from kopf_reconcile.leader.kubernetes import (
     MANAGED_BY,
     MANAGED_BY_LABEL,
@@ -31,6 +30,7 @@ from kopf_reconcile.leader.kubernetes import (
     format_micro_time,
     lease_duration_seconds,
 )
+from kopf_reconcile.leader.kubernetes import elector as k8s_elector
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.loop import Loop
 from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
@@ -180,7 +180,7 @@ async def test_zero_microsecond_times_are_written_so_the_api_server_accepts_them
     kube: Any, kube_namespace: str, elector: ElectorFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     on_the_second = datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.UTC)
-    monkeypatch.setattr(k8s, "_wall_clock", lambda: on_the_second)
+    monkeypatch.setattr(k8s_elector, "_wall_clock", lambda: on_the_second)
     a = elector()
     token = await a.acquire_lease(RID)
     await a.renew_lease(token)

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.fencing.protocol import ShardLayoutError
-from kopf_reconcile.leader import kubernetes as kubernetes_leases
+from kopf_reconcile.leader.kubernetes import elector as kubernetes_leases
 from kopf_reconcile.leader.postgres import PostgresLeaseElector
 from kopf_reconcile.sharding import ShardAssignment, shard_id
 from replicas import Replica, rows

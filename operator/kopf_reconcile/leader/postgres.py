@@ -70,7 +70,7 @@ from kopf_reconcile.leader.protocol import (
     LeaseToken,
     LeaseTTL,
 )
-from kopf_reconcile.leader.timing import DEFAULT_LEASE_TTL
+from kopf_reconcile.leader.timing import DEFAULT_LEASE_TTL, loop_time
 
 __all__ = ["DEFAULT_LEASE_TABLE", "DEFAULT_LEASE_TTL", "PostgresLeaseElector"]
 
@@ -85,11 +85,6 @@ _MAX_CHANNEL = 63  # NAMEDATALEN - 1
 LISTEN_CONNECT_TIMEOUT = 5.0
 
 logger = logging.getLogger("kopf_reconcile.leader")
-
-
-def _now() -> float:
-    """The event loop's clock: the one the LeaseHolder and the Loop read (see leader.timing)."""
-    return asyncio.get_running_loop().time()
 
 
 class PostgresLeaseElector(AsyncClosing):
@@ -436,7 +431,7 @@ class PostgresLeaseElector(AsyncClosing):
         return (
             self._listen_dsn is not None
             and not self._closed
-            and _now() >= self._listen_backoff_until
+            and loop_time() >= self._listen_backoff_until
         )
 
     async def _listen(self) -> None:
@@ -461,7 +456,7 @@ class PostgresLeaseElector(AsyncClosing):
                     connection.terminate()
                 if not isinstance(exc, Exception):
                     raise  # cancelled (one caller's deadline): let it through, nothing left open
-                self._listen_backoff_until = _now() + self._ttl.seconds
+                self._listen_backoff_until = loop_time() + self._ttl.seconds
                 logger.warning(
                     "cannot listen for lease releases on channel %r at %s (%r); for %.0f s "
                     "followers only retry every renew interval",

@@ -16,10 +16,14 @@ value is built:
 
 The defaults (15 s, 10 s, 2 s) are client-go's; every elector, the Builder and the
 process settings take them from here.
+
+Every duration is measured on the event loop's monotonic clock (:func:`loop_time`), the
+one the LeaseHolder and the Loop read; an elector judges expiry on it too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from kopf_reconcile.api import ConfigError, Duration, seconds
@@ -31,6 +35,7 @@ __all__ = [
     "MAX_LEASE_TTL",
     "RENEW_DEADLINE_FRACTION",
     "LeaseTiming",
+    "loop_time",
 ]
 
 DEFAULT_LEASE_TTL = LeaseTTL(15)  # client-go LeaseDuration
@@ -39,6 +44,11 @@ RENEW_DEADLINE_FRACTION = 2 / 3  # client-go: RenewDeadline 10 s of LeaseDuratio
 # spec.leaseDurationSeconds is an int32; every elector shares that bound so that a value
 # valid for one is valid for all (and a timedelta of it never overflows).
 MAX_LEASE_TTL = 2**31 - 1
+
+
+def loop_time() -> float:
+    """The event loop's clock: the one the LeaseHolder and the Loop read."""
+    return asyncio.get_running_loop().time()
 
 
 @dataclasses.dataclass(frozen=True)
