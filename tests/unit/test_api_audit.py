@@ -92,3 +92,8 @@ def test_a_newer_admitted_write_is_a_newer_term_too(tmp_path: Path) -> None:
 def test_a_release_records_no_newer_term(tmp_path: Path) -> None:
     path = log(tmp_path, lease("a", 3), lease("", 3), lease("b", 4), write("b", 4))
     assert api_audit.stale_api_writes(path) == []
+
+
+def test_a_write_naming_a_lease_never_written_is_unfenced(tmp_path: Path) -> None:
+    path = log(tmp_path, write("a", 1), lease("a", 1), write("a", 1))
+    assert [w.seq for w in api_audit.unfenced_api_writes(path)] == [0]

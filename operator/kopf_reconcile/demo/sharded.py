@@ -99,6 +99,7 @@ class ShardedDemo(Demo):
             and s.lost_updates == 0
             and s.stale_accepted == 0
             and s.stale_api_accepted == 0
+            and s.unfenced_api == 0
             and self.moves.ok()
         )
 

@@ -101,6 +101,7 @@ class Summary:
     # Lease, and those its fence refused (api_audit, from its audit log).
     stale_api_accepted: int = 0
     refused_by_api_server: int = 0
+    unfenced_api: int = 0  # admitted naming a Lease the API server did not know
     lost_updates: int = 0
     direct_write_rejected: bool = False
     direct_api_write_refused: bool = False
@@ -115,6 +116,7 @@ class Summary:
             and self.lost_updates == 0
             and self.stale_accepted == 0
             and self.stale_api_accepted == 0
+            and self.unfenced_api == 0
             and len(self.failovers) == 2
             and self.direct_write_rejected
             and self.direct_api_write_refused

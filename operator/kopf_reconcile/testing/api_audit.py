@@ -14,7 +14,8 @@ with ``--audit-log-path`` (Lease writes at level ``RequestResponse``, so their
 ``responseObject`` shows the Lease after the write) and as the embedded API writes it with
 ``audit_log=``. :func:`api_writes` reads the fenced writes, :func:`lease_terms` the Leases'
 terms, :func:`stale_api_writes` finds the stale ones and :func:`assert_no_stale_api_writes`
-fails naming them.
+fails naming them; :func:`unfenced_api_writes` finds writes that named a Lease the API server
+had no record of (which its fence cannot check).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "lease_terms",
     "refused_api_writes",
     "stale_api_writes",
+    "unfenced_api_writes",
 ]
 
 LEASE, HOLDER, EPOCH = (
@@ -167,6 +169,25 @@ def stale_api_writes(path: str | Path) -> list[ApiWrite]:
         if seen is None or event.epoch >= seen[0]:
             newest[event.lease] = (event.epoch, event.holder)
     return stale
+
+
+def unfenced_api_writes(path: str | Path) -> list[ApiWrite]:
+    """Admitted fenced writes naming a Lease the log shows no write of before them.
+
+    The policy compares a write with the Lease it names; a Lease that does not exist (a
+    misnamed one, or one deleted) is no parameter, and the write passes unchecked. A
+    shard's or a mirrored Lease must therefore exist, by the same name, before its writes.
+    """
+    known: set[str] = set()
+    unfenced = []
+    events: list[tuple[int, LeaseTerm | ApiWrite]] = [(t.seq, t) for t in lease_terms(path)]
+    events += [(w.seq, w) for w in api_writes(path) if w.admitted]
+    for _, event in sorted(events, key=lambda pair: pair[0]):
+        if isinstance(event, LeaseTerm):
+            known.add(event.lease)
+        elif event.lease not in known:
+            unfenced.append(event)
+    return unfenced
 
 
 def assert_no_stale_api_writes(path: str | Path) -> None:

@@ -88,6 +88,9 @@ class Checks(Stage):
         self.report.stale_api_accepted = [
             str(w) for w in api_audit.stale_api_writes(self.audit_log)
         ]
+        self.report.unfenced_api = [str(w) for w in api_audit.unfenced_api_writes(self.audit_log)]
+        writes = api_audit.api_writes(self.audit_log)
+        self.report.api_writes_admitted = sum(1 for w in writes if w.admitted)
         inside: list[Span] = []
         for process in self.histories:
             inside += spans(process, deadline, PAUSE_GRACE)

@@ -38,7 +38,10 @@ class Report:
     stale_rejected: int = 0
     stale_accepted: list[str] = dataclasses.field(default_factory=list)
     api_writes_refused: int = 0  # by the API server's fence (its audit log)
+    api_writes_admitted: int = 0  # fenced (carrying their lease), admitted
     stale_api_accepted: list[str] = dataclasses.field(default_factory=list)
+    # Admitted API writes naming a Lease the API server had no record of: unchecked.
+    unfenced_api: list[str] = dataclasses.field(default_factory=list)
     lost_updates: list[str] = dataclasses.field(default_factory=list)
     max_leaders: int = 0
     max_leaders_believed: int = 0
@@ -82,6 +85,13 @@ class Report:
             found.append(
                 f"{len(self.stale_api_accepted)} stale API write(s) admitted: "
                 f"{self.stale_api_accepted[:5]}"
+            )
+        if self.writes_accepted and not self.api_writes_admitted:
+            found.append("no status patch carried its lease: the API writes went unfenced")
+        if self.unfenced_api:
+            found.append(
+                f"{len(self.unfenced_api)} API write(s) named a Lease the API server did not "
+                f"know (unchecked by its fence): {self.unfenced_api[:5]}"
             )
         if self.lost_updates:
             found.append(f"{len(self.lost_updates)} lost update(s): {self.lost_updates[:5]}")
@@ -165,6 +175,7 @@ class Report:
                 f"at the epoch below the scope's",
             ),
             ("stale writes accepted", len(self.stale_accepted), "must be 0"),
+            ("fenced API writes", self.api_writes_admitted, "status patches carrying their lease"),
             (
                 "API writes refused",
                 self.api_writes_refused,
@@ -172,6 +183,11 @@ class Report:
                 "straight to it at the epoch below the Lease's",
             ),
             ("stale API writes accepted", len(self.stale_api_accepted), "must be 0"),
+            (
+                "API writes unfenced",
+                len(self.unfenced_api),
+                "must be 0: each names a Lease the API server knew",
+            ),
             (
                 "lost updates",
                 len(self.lost_updates),
