@@ -390,10 +390,17 @@ async def test_a_frozen_leader_pod_gets_no_stale_write_into_the_api(
         await eventually(taken_over, timeout=90, message="another pod takes the lease over")
         new_epoch = int((await deployment.lease())["leaseTransitions"])
         assert new_epoch > old_epoch
+        later = [f"after-freeze-{i}" for i in range(3)]
+        await create_devices(deployment, later)
         await eventually(
-            lambda: converged(deployment, names, min_epoch=new_epoch),
+            lambda: converged(deployment, later, min_epoch=new_epoch),
             timeout=60,
-            message="the new leader converges the Devices",
+            message="the new leader converges new Devices at its epoch",
+        )
+        await eventually(
+            lambda: converged(deployment, names),
+            timeout=60,
+            message="the Devices created as the leader froze converge too",
         )
     finally:
         await deployment.node.thaw(task)
