@@ -120,6 +120,7 @@ class Project:
             "version": self.version,
             "function": self.function,
             "reconciler_id": self.reconciler_id,
+            "constant": self.plural.upper().replace("-", "_"),  # the resource, in handlers.py
             "kopf_reconcile_version": _own_version(),
         }
 
