@@ -7,8 +7,9 @@ process) with one probe: every ``INTERVAL`` of the process's CPU time
 stack is looked at, and the sample is given to the first frame from the innermost
 outward that belongs to a known owner:
 
-* ``loop``: the Loop's own modules (:data:`LOOP_MODULES`: the worker switch, the
-  queue, its timers and backoff, the triggers, the sharded Loop, and the Loop's
+* ``loop``: the Loop's own modules (:data:`LOOP_MODULES`: the worker switch, what the
+  end of a reconcile does, the queue, its timers and backoff, the triggers, the sharded
+  Loop, and the Loop's
   metrics, the ``prometheus_client`` calls they make included);
 * ``reconciler``: the handlers file (the example's reconcile, the client calls it
   makes included);
@@ -40,6 +41,7 @@ PACKAGE = "kopf_reconcile"
 LOOP_MODULES = frozenset(
     {
         "loop.py",
+        "outcomes.py",
         "workqueue.py",
         "dispatch_queue.py",
         "backoff.py",
