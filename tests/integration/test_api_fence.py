@@ -19,13 +19,15 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from kubernetes_asyncio.client.exceptions import ApiException
 
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.writer import ReconcileLease
 from kopf_reconcile.integration import fence_policy
 from kopf_reconcile.integration.api_client import LazyApiClient
-from kopf_reconcile.integration.fence_lease import LeaseFence
+from kopf_reconcile.integration.fence_lease import LeaseFence, request
 from kopf_reconcile.integration.fenced_client import ClientContext, FencedClient
+from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import CRDS, eventually, gadget_crd, install_crd
 
 CONFIGMAPS = kr.Resource("", "v1", "configmaps")
@@ -256,3 +258,102 @@ async def test_a_mirrored_epoch_fences_a_postgresql_leaders_writes(
         with pytest.raises(kr.StaleEpochError, match="shows epoch 42 held by b"):
             await late.delete(CONFIGMAPS, "second", namespace=ns)
         assert await b.get(CONFIGMAPS, "second", namespace=ns) is not None
+
+
+async def test_a_write_with_part_of_the_lease_is_refused_and_one_without_is_not_checked(
+    kube: Any, kube_namespace: str, fence: str
+) -> None:
+    """Any of the three extras makes a write a fenced one; without all three it is refused
+    (it fails closed), and a write without any is none of the fence's business."""
+    ns = kube_namespace
+    async with kube.api_client() as api:
+        elector = kr.KubernetesLeaseElector(ns, ttl=kr.LeaseTTL(5), api=api, holder_id="a")
+        token = await elector.acquire_lease("part")
+        lazy = LazyApiClient(api)
+        identity = await LeaseFence(lazy, elector.lease_namespace).identity()
+        path = f"/api/v1/namespaces/{ns}/configmaps"
+        partial = identity.headers(
+            {fence_policy.LEASE_EXTRA: f"{ns}/part", fence_policy.HOLDER_EXTRA: "a"}
+        )
+        with pytest.raises(ApiException) as refused:
+            await request(
+                lazy, "POST", path, body={"metadata": {"name": "partial"}}, headers=partial
+            )
+        assert refused.value.status == 403
+        assert "carries all of" in str(refused.value.body)
+        unrelated = identity.headers({"example.com/team": "ops"})
+        await request(lazy, "POST", path, body={"metadata": {"name": "other"}}, headers=unrelated)
+        whole = identity.headers(
+            {
+                fence_policy.LEASE_EXTRA: f"{ns}/part",
+                fence_policy.HOLDER_EXTRA: "a",
+                fence_policy.EPOCH_EXTRA: str(token.epoch),
+            }
+        )
+        await request(lazy, "POST", path, body={"metadata": {"name": "whole"}}, headers=whole)
+        await elector.close()
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["fence-installed", "no-fence"])
+async def test_a_new_term_is_mirrored_at_once_and_a_lease_the_fence_misses_is_reported(
+    kube: Any, kube_namespace: str, installed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When a process starts leading, its epoch is mirrored before any write (a new leader
+    that writes nothing still closes the old one's window), and a dry-run write under a
+    holder that does not hold the Lease must be refused: when it is not, an error says the
+    fence does not cover it."""
+    ns = kube_namespace
+    policy_name = f"fence-{ns}"
+    async with kube.http_session() as http:
+        if installed:
+            for kind, body in (
+                ("validatingadmissionpolicies", fence_policy.policy(policy_name)),
+                (
+                    "validatingadmissionpolicybindings",
+                    fence_policy.binding(policy_name, policy_name, ns),
+                ),
+            ):
+                async with http.post(f"{ADMISSION}/{kind}", json=body) as response:
+                    assert response.status == 201, await response.text()
+
+        async def namespace() -> str:
+            return ns
+
+        async with kube.api_client() as api:
+            lazy = LazyApiClient(api)
+            fence = LeaseFence(lazy, namespace, mirror_ttl_seconds=15)
+            watch = fence.watch_leadership({"quiet"}.__contains__)
+
+            async def nothing(req: kr.Request) -> None:
+                pass
+
+            loop = (
+                kr.Builder(nothing, kr.Tenancy.SINGLE_TENANT)
+                .with_trigger(kr.TickerTrigger(3600))
+                .with_leader(MemoryLeaseElector(MemoryLeaseStore()))
+                .with_reconciler_id("quiet")
+                .build()
+            )
+            await loop.start()
+            try:
+                lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/quiet"
+
+                async def mirrored() -> bool:
+                    async with http.get(lease_path) as response:
+                        if response.status != 200:
+                            return False
+                        spec = (await response.json())["spec"]
+                    return bool(spec["leaseTransitions"] == loop.stats().epoch >= 1)
+
+                await eventually(mirrored, message="the epoch mirrored with no write at all")
+                await eventually(lambda: not watch._tasks, timeout=10, message="probed")
+            finally:
+                await loop.stop()
+                await watch.close()
+        if installed:
+            for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
+                await http.delete(f"{ADMISSION}/{kind}/{policy_name}")
+    reported = [r for r in caplog.records if "does not cover lease" in r.getMessage()]
+    assert bool(reported) is not installed, [r.getMessage() for r in caplog.records]
+    if reported:
+        assert f"namespace {ns}" in reported[0].getMessage()

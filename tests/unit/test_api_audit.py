@@ -97,3 +97,40 @@ def test_a_release_records_no_newer_term(tmp_path: Path) -> None:
 def test_a_write_naming_a_lease_never_written_is_unfenced(tmp_path: Path) -> None:
     path = log(tmp_path, write("a", 1), lease("a", 1), write("a", 1))
     assert [w.seq for w in api_audit.unfenced_api_writes(path)] == [0]
+
+
+def deleted() -> dict[str, Any]:
+    return {
+        "stage": "ResponseComplete",
+        "verb": "delete",
+        "objectRef": {
+            "resource": "leases",
+            "apiGroup": "coordination.k8s.io",
+            "namespace": "ops",
+            "name": "r",
+        },
+        "responseStatus": {"code": 200},
+    }
+
+
+@pytest.mark.parametrize(
+    ("events", "stale", "unfenced"),
+    [
+        pytest.param(
+            [lease("a", 5), deleted(), lease("b", 1), write("b", 1), write("a", 5)],
+            [4],
+            [],
+            id="recreated-lower",
+        ),
+        pytest.param([lease("a", 5), deleted(), write("a", 5)], [], [2], id="deleted"),
+        pytest.param([lease("a", 5), lease("", 5), write("a", 5)], [2], [], id="released"),
+        pytest.param([lease("a", 5), lease("x", 0), write("a", 5)], [2], [], id="edited-lower"),
+        pytest.param([lease("a", 5), lease("a", 5), write("a", 5)], [], [], id="renewed"),
+    ],
+)
+def test_every_change_of_the_lease_ends_the_term_it_held(
+    tmp_path: Path, events: list[dict[str, Any]], stale: list[int], unfenced: list[int]
+) -> None:
+    path = log(tmp_path, *events)
+    assert [w.seq for w in api_audit.stale_api_writes(path)] == stale
+    assert [w.seq for w in api_audit.unfenced_api_writes(path)] == unfenced

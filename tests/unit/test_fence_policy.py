@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 import kopf_reconcile as kr
 from kopf_reconcile.integration import fence_policy
 from kopf_reconcile.integration.fence_lease import Identity
+from kopf_reconcile.leader.identity import checked_holder_id
 
 
 def test_the_manifests_are_a_policy_its_binding_and_rbac_for_the_account_itself() -> None:
@@ -48,6 +51,13 @@ def test_a_requests_without_extras_is_not_matched_before_extra_is_read() -> None
     assert condition["expression"].startswith("has(request.userInfo.extra) && ")
 
 
+def test_proxies_are_fenced_too() -> None:
+    """A proxy (exec, attach, port-forward) request is a CONNECT, whatever its HTTP method."""
+    [rule] = fence_policy.policy("p")["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["operations"] == ["CREATE", "UPDATE", "DELETE", "CONNECT"]
+    assert rule["resources"] == ["*/*"]
+
+
 def test_a_service_account_is_impersonated_by_name_alone_and_the_extras_are_escaped() -> None:
     account = Identity("system:serviceaccount:ops:op", ("system:serviceaccounts", "x"))
     headers = account.headers({"kopf-reconcile.io/epoch": "7"})
@@ -67,3 +77,20 @@ def test_resources_are_checked_when_made() -> None:
             assert "Resource" in str(exc)
         else:
             raise AssertionError(f"{bad} accepted")
+
+
+@pytest.mark.parametrize("holder", ["trail ", " lead", "tab\tinside", "new\nline", ""])
+def test_a_holder_id_that_http_headers_cannot_carry_as_it_is_is_refused(holder: str) -> None:
+    """The fenced client sends the holder in a header: trimmed or refused there, it would
+    never match the Lease, and the current holder's own writes would be refused."""
+    for make in (
+        lambda: kr.KubernetesLeaseElector("ops", holder_id=holder),
+        lambda: kr.PostgresLeaseElector("postgresql://u@127.0.0.1/db", holder_id=holder),
+    ):
+        with pytest.raises(kr.ConfigError, match="holder_id must"):
+            make()
+
+
+def test_a_holder_id_with_inner_spaces_commas_and_other_scripts_is_kept() -> None:
+    assert checked_holder_id("café, a b") == "café, a b"
+    assert checked_holder_id(None) != checked_holder_id(None)

@@ -15,8 +15,16 @@ elector's, so the policy's binding selects it) before its first write of a term:
 refuse (:class:`~kopf_reconcile.StaleEpochError`) when it shows a higher epoch or the same
 epoch for another holder, else replace it conditionally on the version read (a racing
 writer makes it read again). Epochs from the database only grow, and the mirror only
-moves forward: from the moment the new leader mirrored its epoch, before it wrote
-anything to the API, the API server refuses the old leader's writes.
+moves forward: from the moment the new leader mirrored its epoch the API server refuses
+the old leader's writes. :meth:`LeaseFence.watch_leadership` mirrors as soon as a lease
+holder of this process starts leading, not at its first write (which may never come: an
+object already converged, a reconciler that writes only to PostgreSQL).
+
+Is the Lease covered? The policy's binding selects the Leases of one namespace: an elector
+given another namespace, or a cluster without the policy, leaves every write unchecked,
+silently. So once per Lease, when this process starts leading it, a dry-run write of the
+Lease itself is sent with a holder that does not hold it: the API server must refuse it; if
+it admits it, an error says the fence does not cover the Lease and how to install it.
 """
 
 from __future__ import annotations
@@ -24,30 +32,41 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from multidict import CIMultiDict
 
+from kopf_reconcile.control.holding import LeadershipChange, LeaseHolder
 from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.fencing.writer import ReconcileLease
 from kopf_reconcile.integration.api_client import ApiClientSource
 from kopf_reconcile.integration.fence_policy import (
     EPOCH_EXTRA,
+    FENCE_MARKER,
     HOLDER_EXTRA,
     LEASE_EXTRA,
     MANAGED_BY_SELECTOR,
 )
 
-__all__ = ["Identity", "LeaseFence", "request"]
+__all__ = ["Identity", "LeadershipWatch", "LeaseFence", "request"]
+
+logger = logging.getLogger("kopf_reconcile.fence")
 
 SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
 _AUTHENTICATED = "system:authenticated"
 _MAX_EPOCH = 2**31 - 1  # spec.leaseTransitions is an int32
-HTTP_NOT_FOUND, HTTP_CONFLICT = 404, 409
+HTTP_FORBIDDEN, HTTP_NOT_FOUND, HTTP_CONFLICT = 403, 404, 409
 _MIRROR_ATTEMPTS = 5
+#: The holder a coverage probe names: never a real one (holder ids end in a random suffix).
+PROBE_HOLDER = "kopf-reconcile-fence-probe"
+# A Lease just created reaches the API server's parameters after its informer's lag:
+# the probe asks again for this long before it concludes that nothing covers the Lease.
+_PROBE_ATTEMPTS, _PROBE_DELAY = 8, 0.25
 
 
 class Identity:
@@ -114,6 +133,7 @@ class LeaseFence:
         self._identity: Identity | None = None
         self._mirrored: dict[str, tuple[int, str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._probed: set[str] = set()
 
     @property
     def mirrors(self) -> bool:
@@ -144,6 +164,54 @@ class LeaseFence:
                 HOLDER_EXTRA: lease.holder,
                 EPOCH_EXTRA: str(lease.epoch),
             }
+        )
+
+    def watch_leadership(self, leases: Callable[[str], bool]) -> LeadershipWatch:
+        """From now on, whenever a lease holder of this process starts leading one of
+        ``leases`` (by lease id): mirror its epoch at once, and check (once per Lease) that
+        the API server's fence covers it. Close the watch to stop."""
+        return LeadershipWatch(self, leases)
+
+    async def on_lead(self, name: str, holder: str, epoch: int) -> None:
+        """What :class:`LeadershipWatch` does when this process starts leading ``name``."""
+        try:
+            namespace = await self._namespace()
+            if self._mirror_ttl is not None:
+                await self._mirror(namespace, name, holder, epoch)
+            if name not in self._probed:
+                self._probed.add(name)
+                await self._probe(namespace, name, epoch)
+        except (StaleEpochError, ApiException, OSError, aiohttp.ClientError) as exc:
+            logger.warning("lease %s: the fence's check at a new term failed: %s", name, exc)
+
+    async def _probe(self, namespace: str, name: str, epoch: int) -> None:
+        """Refused: the fence covers the Lease. Admitted again and again: an error says so."""
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"
+        identity = await self.identity()
+        extras = {LEASE_EXTRA: f"{namespace}/{name}", HOLDER_EXTRA: PROBE_HOLDER}
+        headers = identity.headers({**extras, EPOCH_EXTRA: str(epoch)})
+        for _ in range(_PROBE_ATTEMPTS):
+            lease = await request(self._client, "GET", path)
+            try:
+                dry_run = [("dryRun", "All")]
+                await request(self._client, "PUT", path, body=lease, query=dry_run, headers=headers)
+            except ApiException as exc:
+                if exc.status == HTTP_FORBIDDEN and FENCE_MARKER in str(exc.body or ""):
+                    return  # covered
+                if exc.status != HTTP_CONFLICT:
+                    raise
+                continue  # renewed meanwhile: read it again
+            await asyncio.sleep(_PROBE_DELAY)
+        logger.error(
+            "the API server's fence does not cover lease %s/%s: a write under it that another "
+            "holder has taken over is admitted, so a paused former leader's late API writes "
+            "would land. Install the fence for namespace %s (the chart's fence.enabled, or "
+            "`kopf-reconcile fence-policy --namespace %s --service-account <account> | kubectl "
+            "apply -f -`), or set KOPF_RECONCILE_API_FENCE=off to say it is not wanted",
+            namespace,
+            name,
+            namespace,
+            namespace,
         )
 
     # -- the mirror of a PostgreSQL lease ----------------------------------------------
@@ -225,3 +293,32 @@ class LeaseFence:
                 "renewTime": now,
             },
         }
+
+
+class LeadershipWatch:
+    """Runs :meth:`LeaseFence.on_lead` as lease holders of this process start leading."""
+
+    def __init__(self, fence: LeaseFence, leases: Callable[[str], bool]) -> None:
+        self._fence = fence
+        self._leases = leases
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._forget = LeaseHolder.observe(self._observe)
+
+    def _observe(self, change: LeadershipChange) -> None:
+        if not change.leading or change.holder_id is None:
+            return
+        if not self._leases(change.reconciler_id):
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._fence.on_lead(change.reconciler_id, change.holder_id, change.epoch),
+            name=f"fence of {change.reconciler_id} at epoch {change.epoch}",
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        self._forget()
+        tasks, self._tasks = set(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

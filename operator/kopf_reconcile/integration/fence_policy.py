@@ -76,9 +76,10 @@ _HOLDER = "(has(params.spec.holderIdentity) ? params.spec.holderIdentity : '')"
 _EPOCH = "string(has(params.spec.leaseTransitions) ? params.spec.leaseTransitions : 0)"
 # A request without extras has no `extra` field at all: `in` on it would be an error, and
 # an error fails the request (failurePolicy Fail), so its presence is tested first.
-_CARRIES = " && ".join(
-    ["has(request.userInfo.extra)", *(f"{key!r} in request.userInfo.extra" for key in EXTRAS)]
-)
+_KEYS = [f"{key!r} in request.userInfo.extra" for key in EXTRAS]
+# Any of the three keys makes a request a fenced write; it is admitted only with all three.
+_CARRIES = f"has(request.userInfo.extra) && ({' || '.join(_KEYS)})"
+_CARRIES_ALL = " && ".join(_KEYS)
 
 
 def policy(name: str) -> dict[str, Any]:
@@ -96,7 +97,9 @@ def policy(name: str) -> dict[str, Any]:
                         "apiGroups": ["*"],
                         "apiVersions": ["*"],
                         "resources": ["*/*"],  # every resource and subresource
-                        "operations": ["CREATE", "UPDATE", "DELETE"],
+                        # CONNECT: a proxy (or exec, attach, port-forward) request is
+                        # one, whatever its HTTP method; it reaches a workload.
+                        "operations": ["CREATE", "UPDATE", "DELETE", "CONNECT"],
                     }
                 ]
             },
@@ -107,6 +110,13 @@ def policy(name: str) -> dict[str, Any]:
                 {"name": "epoch", "expression": _extra(EPOCH_EXTRA)},
             ],
             "validations": [
+                {
+                    "expression": _CARRIES_ALL,
+                    "message": (
+                        f"{FENCE_MARKER}: a fenced write carries all of {', '.join(EXTRAS)}"
+                    ),
+                    "reason": "Forbidden",
+                },
                 {
                     "expression": (
                         f"variables.lease != {_LEASE} || "
@@ -119,7 +129,7 @@ def policy(name: str) -> dict[str, Any]:
                         f"({_HOLDER} == '' ? 'nobody' : {_HOLDER})"
                     ),
                     "reason": "Forbidden",
-                }
+                },
             ],
         },
     }

@@ -343,22 +343,25 @@ class FencedClient:
     ) -> Body:
         lease, fence = self._lease, self._context.fence
         count = lease.count_api_write if lease is not None else _uncounted
-        headers: CIMultiDict[str] | None = None
-        fenced = fence is not None and lease is not None and lease.lease_id is not None
-        try:
-            if fenced:
-                assert fence is not None and lease is not None
-                headers = await fence.headers(lease)
-        except StaleEpochError:
-            count("refused_by_server")  # the mirror shows a newer epoch: a fence refusal
-            raise
-        for attempt in range(_LAG_RETRIES + 1):
-            if lease is not None and not lease.is_live():  # right before sending
+
+        def check_live() -> None:
+            if lease is not None and not lease.is_live():
                 count("refused_locally")
                 raise StaleEpochError(
                     f"{method} {path} refused locally: the lease of epoch {lease.epoch} is no "
                     "longer held by this process"
                 )
+
+        check_live()  # before anything is written (a mirrored epoch included)
+        headers: CIMultiDict[str] | None = None
+        if fence is not None and lease is not None and lease.lease_id is not None:
+            try:
+                headers = await fence.headers(lease)
+            except StaleEpochError:
+                count("refused_by_server")  # the mirror shows a newer term: the fence's verdict
+                raise
+        for attempt in range(_LAG_RETRIES + 1):
+            check_live()  # and right before sending
             try:
                 answer = await request(
                     self._context.client,

@@ -153,7 +153,7 @@ from kopf_reconcile.leader.protocol import LeaderElector
 from kopf_reconcile.loop import Loop
 from kopf_reconcile.metrics import Metrics, register_metrics
 from kopf_reconcile.sharded_loop import ShardedLoop
-from kopf_reconcile.sharding import ShardAssignment, validate_shards
+from kopf_reconcile.sharding import ShardAssignment, shard_id, validate_shards
 from kopf_reconcile.tenancy import Tenancy
 from kopf_reconcile.triggers import TickerTrigger
 
@@ -336,11 +336,16 @@ class _Registration:
             related = RelatedObjects(o.related, o.cache_transform)
             api = shared_api_client()
             self._owned.append(api)
-            fenced = elector is not None and config.api_fence is process_settings.ApiFence.ON
+            fence = None
+            if elector is not None and config.api_fence is process_settings.ApiFence.ON:
+                fence = _lease_fence(elector, api, config)
+                leases = {o.reconciler_id}
+                leases |= {shard_id(o.reconciler_id, k) for k in range(o.shards.shards)}
+                self._owned.append(fence.watch_leadership(leases.__contains__))
             client_context = ClientContext(
                 api,
                 field_manager=o.reconciler_id,
-                fence=_lease_fence(elector, api, config) if fenced else None,
+                fence=fence,
                 caches={(o.group, o.plural): cache, **related.caches},
             )
             if o.finalizer is not None:

@@ -12,13 +12,36 @@ instance.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import socket
 
-__all__ = ["unique_holder_id"]
+from kopf_reconcile.api import ConfigError
+
+__all__ = ["checked_holder_id", "unique_holder_id"]
 
 
 def unique_holder_id(base: str | None = None) -> str:
     """``base`` (default ``POD_NAME``, else the host name) plus a suffix unique to this call."""
     base = base or os.environ.get("POD_NAME") or socket.gethostname() or "kopf-reconcile"
     return f"{base}-{secrets.token_hex(4)}"
+
+
+# Whitespace at either end, or a control character: a holder id is also sent as an HTTP
+# header value (the fenced API client's), which drops the one and refuses the other, so
+# the API server would never see the holder the Lease names.
+_UNSENDABLE = re.compile(r"^\s|\s$|[\x00-\x1f\x7f]")
+
+
+def checked_holder_id(holder_id: object) -> str:
+    """``holder_id`` as given (validated), or a new unique one for ``None``."""
+    if holder_id is None:
+        return unique_holder_id()
+    if not isinstance(holder_id, str) or not holder_id:
+        raise ConfigError(f"holder_id must be a non-empty string or None, got {holder_id!r}")
+    if _UNSENDABLE.search(holder_id):
+        raise ConfigError(
+            f"holder_id must not start or end with whitespace nor hold control characters "
+            f"(it is sent in HTTP headers), got {holder_id!r}"
+        )
+    return holder_id

@@ -61,7 +61,7 @@ from kopf_reconcile.api import ConfigError, Duration
 from kopf_reconcile.closing import AsyncClosing
 from kopf_reconcile.control.epochs import EpochFloor, EpochMemory
 from kopf_reconcile.database import Database, is_postgres_url, qualified_table, redact_dsn
-from kopf_reconcile.leader.identity import unique_holder_id
+from kopf_reconcile.leader.identity import checked_holder_id
 from kopf_reconcile.leader.protocol import (
     LeaseContended,
     LeaseEpochExhausted,
@@ -107,8 +107,6 @@ class PostgresLeaseElector(AsyncClosing):
         listen_dsn: str | None = None,
     ) -> None:
         """``holder_id`` defaults to ``POD_NAME`` (or the host name) plus a random suffix."""
-        if holder_id is not None and (not isinstance(holder_id, str) or not holder_id):
-            raise ConfigError(f"holder_id must be a non-empty string or None, got {holder_id!r}")
         if listen_dsn is not None and not (
             isinstance(listen_dsn, str) and is_postgres_url(listen_dsn)
         ):
@@ -117,7 +115,7 @@ class PostgresLeaseElector(AsyncClosing):
                 f"listen_dsn must be a PostgreSQL DSN (postgresql://...) or None, got {shown!r}"
             )
         self._ttl = ttl if isinstance(ttl, LeaseTTL) else LeaseTTL(ttl)
-        self._holder_id = holder_id if holder_id is not None else unique_holder_id()
+        self._holder_id = checked_holder_id(holder_id)
         self._table = qualified_table("table", table)
         self._database = Database(dsn_or_pool, table=self._table, schema=[_schema(self._table)])
         self._epochs = EpochMemory()

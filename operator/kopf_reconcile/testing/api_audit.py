@@ -2,12 +2,13 @@
 
 The promise checked. A reconciler's write through ``kr.fenced_client()`` carries its Lease,
 holder and epoch as user extras (``kopf-reconcile.io/lease``, ``/holder``, ``/epoch``; the
-audit log shows them under ``impersonatedUser.extra``). A write is *stale* when the API
-server admitted it (a 2xx answer) after it had already recorded a newer term of that
-Lease: a write of the Lease itself showing a higher epoch, or the same epoch under another
-holder (the takeover), or an admitted fenced write of a higher epoch. Order is the order of
-the log: the API server writes each request's line when it answers (stage
-``ResponseComplete``).
+audit log shows them under ``impersonatedUser.extra``). In the log's order each Lease has a
+current term (holder, epoch), which every successful write of it sets: a takeover, a
+renewal, a release (no holder), an edit, a deletion (no Lease). A write the API server
+admitted (a 2xx answer) is *stale* when the term it carries was not the current one then,
+and *unfenced* when its Lease did not exist then (the fence had nothing to compare it
+with). Order is the order of the log: the API server writes each request's line when it
+answers (stage ``ResponseComplete``).
 
 The log is JSON lines in the ``audit.k8s.io/v1`` Event format, as kube-apiserver writes it
 with ``--audit-log-path`` (Lease writes at level ``RequestResponse``, so their
@@ -42,6 +43,7 @@ LEASE, HOLDER, EPOCH = (
     "kopf-reconcile.io/epoch",
 )
 _WRITES = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+GONE = -1  # the epoch of a deleted Lease's term: there is no Lease
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +96,8 @@ def api_writes(path: str | Path) -> list[ApiWrite]:
     """Every fenced write in the log (admitted or not), in the log's order."""
     writes = []
     for seq, event in _events(path):
-        if event.get("verb") not in _WRITES:
-            continue
+        if event.get("verb") not in _WRITES or "dryRun=" in str(event.get("requestURI", "")):
+            continue  # a dry run changes nothing (the fence's coverage probe is one)
         user = event.get("impersonatedUser")
         extra = user.get("extra") if isinstance(user, dict) else None
         if not isinstance(extra, dict) or not all(k in extra for k in (LEASE, HOLDER, EPOCH)):
@@ -128,7 +130,8 @@ def refused_api_writes(path: str | Path) -> list[ApiWrite]:
 
 
 def lease_terms(path: str | Path) -> list[LeaseTerm]:
-    """Every successful write of a Lease whose result the log shows, in the log's order."""
+    """Every successful write of a Lease the log shows, in the log's order: the Lease after
+    the write (its ``responseObject``), or, for a deletion, no holder at epoch ``GONE``."""
     terms = []
     for seq, event in _events(path):
         ref = event.get("objectRef")
@@ -136,10 +139,14 @@ def lease_terms(path: str | Path) -> list[LeaseTerm]:
             continue
         if ref.get("apiGroup") != "coordination.k8s.io" or not 200 <= _code(event) < 300:
             continue
-        lease = event.get("responseObject")
-        if not isinstance(lease, dict) or lease.get("kind") != "Lease":
+        if event.get("verb") == "delete" and ref.get("name"):
+            lease = f"{ref.get('namespace')}/{ref.get('name')}"
+            terms.append(LeaseTerm(seq=seq, lease=lease, holder="", epoch=GONE))
             continue
-        metadata, spec = lease.get("metadata") or {}, lease.get("spec") or {}
+        written = event.get("responseObject")
+        if not isinstance(written, dict) or written.get("kind") != "Lease":
+            continue
+        metadata, spec = written.get("metadata") or {}, written.get("spec") or {}
         terms.append(
             LeaseTerm(
                 seq=seq,
@@ -151,43 +158,45 @@ def lease_terms(path: str | Path) -> list[LeaseTerm]:
     return terms
 
 
-def stale_api_writes(path: str | Path) -> list[ApiWrite]:
-    """Admitted fenced writes made after the API server had recorded a newer term."""
-    newest: dict[str, tuple[int, str]] = {}  # lease -> the newest (epoch, holder) recorded
-    stale = []
-    events: list[tuple[int, LeaseTerm | ApiWrite]] = [(t.seq, t) for t in lease_terms(path)]
-    events += [(w.seq, w) for w in api_writes(path) if w.admitted]
-    for _, event in sorted(events, key=lambda pair: pair[0]):
-        seen = newest.get(event.lease)
-        if isinstance(event, ApiWrite) and seen is not None:
-            epoch, holder = seen
-            if event.epoch < epoch or (event.epoch == epoch and event.holder != holder):
-                stale.append(event)
-                continue
-        if isinstance(event, LeaseTerm) and not event.holder:
-            continue  # released: the next term is above it, nothing newer was recorded
-        if seen is None or event.epoch >= seen[0]:
-            newest[event.lease] = (event.epoch, event.holder)
-    return stale
+def _judged(path: str | Path) -> tuple[list[ApiWrite], list[ApiWrite]]:
+    """The admitted fenced writes that were stale, and those that were unfenced.
 
-
-def unfenced_api_writes(path: str | Path) -> list[ApiWrite]:
-    """Admitted fenced writes naming a Lease the log shows no write of before them.
-
-    The policy compares a write with the Lease it names; a Lease that does not exist (a
-    misnamed one, or one deleted) is no parameter, and the write passes unchecked. A
-    shard's or a mirrored Lease must therefore exist, by the same name, before its writes.
+    A write whose Lease the log does not show (never written, or deleted) is unfenced, and
+    judged by the writes alone: stale when a write of a higher epoch of that Lease was
+    admitted before it. (A log must begin before the Leases it judges are written.)
     """
-    known: set[str] = set()
-    unfenced = []
+    current: dict[str, tuple[str, int]] = {}
+    highest: dict[str, int] = {}
+    stale: list[ApiWrite] = []
+    unfenced: list[ApiWrite] = []
     events: list[tuple[int, LeaseTerm | ApiWrite]] = [(t.seq, t) for t in lease_terms(path)]
     events += [(w.seq, w) for w in api_writes(path) if w.admitted]
     for _, event in sorted(events, key=lambda pair: pair[0]):
         if isinstance(event, LeaseTerm):
-            known.add(event.lease)
-        elif event.lease not in known:
+            current[event.lease] = (event.holder, event.epoch)
+            continue
+        term = current.get(event.lease)
+        if term is not None and term[1] != GONE:
+            if term != (event.holder, event.epoch):
+                stale.append(event)
+        else:  # never written, or deleted: nothing to check the write against
             unfenced.append(event)
-    return unfenced
+            if event.epoch < highest.get(event.lease, event.epoch):
+                stale.append(event)
+        highest[event.lease] = max(highest.get(event.lease, event.epoch), event.epoch)
+    return stale, unfenced
+
+
+def stale_api_writes(path: str | Path) -> list[ApiWrite]:
+    """Admitted fenced writes whose term was not their Lease's current one."""
+    return _judged(path)[0]
+
+
+def unfenced_api_writes(path: str | Path) -> list[ApiWrite]:
+    """Admitted fenced writes naming a Lease the log does not show then (never written, or
+    deleted): the policy compares a write with the Lease it names, and a Lease that does not
+    exist is no parameter, so the write passed unchecked."""
+    return _judged(path)[1]
 
 
 def assert_no_stale_api_writes(path: str | Path) -> None:

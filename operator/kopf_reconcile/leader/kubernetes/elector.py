@@ -92,7 +92,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kopf_reconcile.api import ConfigError, Duration
 from kopf_reconcile.closing import AsyncClosing
 from kopf_reconcile.control.epochs import EpochFloor, EpochMemory
-from kopf_reconcile.leader.identity import unique_holder_id
+from kopf_reconcile.leader.identity import checked_holder_id
 from kopf_reconcile.leader.kubernetes.connection import (
     ALL_NAMESPACES,
     COLLECTION,
@@ -172,8 +172,6 @@ class KubernetesLeaseElector(AsyncClosing):
         """``holder_id`` defaults to ``POD_NAME`` (or the host name) plus a random suffix."""
         if namespace is not None and (not isinstance(namespace, str) or not namespace):
             raise ConfigError(f"namespace must be a non-empty string or None, got {namespace!r}")
-        if holder_id is not None and (not isinstance(holder_id, str) or not holder_id):
-            raise ConfigError(f"holder_id must be a non-empty string or None, got {holder_id!r}")
         if api is not None and kubeconfig is not None:
             raise ConfigError(
                 f"give either api (a client) or kubeconfig (a file to make one from), not both; "
@@ -181,7 +179,7 @@ class KubernetesLeaseElector(AsyncClosing):
             )
         self._ttl = ttl if isinstance(ttl, LeaseTTL) else LeaseTTL(ttl)
         self._duration = lease_duration_seconds(self._ttl)
-        self._holder_id = holder_id if holder_id is not None else unique_holder_id()
+        self._holder_id = checked_holder_id(holder_id)
         self._leases = LeaseApi(
             self,
             namespace or os.environ.get("POD_NAMESPACE") or None,
