@@ -29,6 +29,7 @@ from operator_e2e import (
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.integration import settings as process_settings
 from kopf_reconcile.integration.settings import Settings
+from kopf_reconcile.testing import install_fence
 from support import eventually
 
 
@@ -119,6 +120,10 @@ async def store(embedded_postgres_dsn: str, kube_namespace: str) -> AsyncIterato
 
 @pytest_asyncio.fixture
 async def operators(kube: Any, kube_namespace: str) -> AsyncIterator[Operators]:
+    # The API server's fence, as the chart installs it, over the Leases of the operators'
+    # namespace (their kubeconfig's: default).
+    async with kube.http_session() as http:
+        await install_fence(http, "default")
     manager = Operators(kube.kubeconfig, kube_namespace)
     try:
         yield manager

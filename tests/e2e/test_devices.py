@@ -93,6 +93,7 @@ async def test_one_replica_reconciles_creates_updates_deletes_and_bad_specs(
     assert await operator.stop() == 0
     assert not operator.lines("Traceback"), operator.text
     assert not operator.lines(RECONCILER_ID, "failed"), operator.text
+    assert not operator.lines("does not cover lease"), operator.text  # the fence is installed
 
     # Stopping released the lease at once (a successor need not wait for it to expire).
     status, output = await operators.command(

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import asyncpg
 import yaml
 from kubernetes_asyncio import client, config
@@ -50,7 +51,6 @@ from kopf_reconcile.demo.view import View
 from kopf_reconcile.fencing.postgres import PostgresFencedRepository
 from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.fencing.writer import ReconcileLease
-from kopf_reconcile.integration import fence_policy
 from kopf_reconcile.integration.api_client import LazyApiClient
 from kopf_reconcile.integration.fence_lease import LeaseFence
 from kopf_reconcile.integration.fenced_client import ClientContext, FencedClient, Resource
@@ -58,6 +58,7 @@ from kopf_reconcile.integration.tables import format_table
 from kopf_reconcile.sharding import shard_id
 from kopf_reconcile.testing import api_audit, audit
 from kopf_reconcile.testing.examples import find_crd, find_handlers
+from kopf_reconcile.testing.fence import install_fence
 
 GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
 DEVICES = Resource(GROUP, VERSION, PLURAL)
@@ -223,12 +224,8 @@ class Demo:
         crd = yaml.safe_load(self.crd.read_text())
         await client.ApiextensionsV1Api(self._api).create_custom_resource_definition(crd)
         # The API server's fence, as the chart installs it: late API writes are refused.
-        fence = f"demo-{NAMESPACE}-fence"
-        admission = client.AdmissionregistrationV1Api(self._api)
-        policy: Any = fence_policy.policy(fence)  # a manifest: the client sends dicts as they are
-        binding: Any = fence_policy.binding(fence, fence, NAMESPACE)
-        await admission.create_validating_admission_policy(policy)
-        await admission.create_validating_admission_policy_binding(binding)
+        async with aiohttp.ClientSession(base_url=url) as http:
+            await install_fence(http, NAMESPACE, name="demo")
         async with PostgresFencedRepository(dsn, scope=SCOPE) as repository:
             await repository.migrate()
         await audit.install(dsn)

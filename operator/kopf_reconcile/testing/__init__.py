@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
+    from kopf_reconcile.testing.fence import install_fence
     from kopf_reconcile.testing.operator_process import OperatorProcess, eventually
     from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
-__all__ = ["EmbeddedCluster", "EmbeddedPostgres", "OperatorProcess", "eventually"]
+__all__ = ["EmbeddedCluster", "EmbeddedPostgres", "OperatorProcess", "eventually", "install_fence"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from kopf_reconcile.testing.postgres import EmbeddedPostgres
 
         return EmbeddedPostgres
+    if name == "install_fence":
+        from kopf_reconcile.testing.fence import install_fence
+
+        return install_fence
     if name in ("OperatorProcess", "eventually"):
         from kopf_reconcile.testing import operator_process
 

@@ -96,6 +96,8 @@ async def _serve(handlers: Path | None, crds: list[Path], *, reload: bool, keep:
             print(f"  export KOPF_RECONCILE_DATABASE_URL={shlex.quote(dsn)}")
             for name, source in await _create_crds(url, crds):
                 print(f"created CRD {name} ({source})")
+            fence = await _install_fence(url)
+            print(f"installed the API server's fence ({fence}) for the Leases of default")
             env = {"KOPF_RECONCILE_DATABASE_URL": dsn, "KOPF_RECONCILE_LEADER": "postgres"}
             if handlers is None:
                 print(READY_LINE, flush=True)
@@ -173,6 +175,16 @@ def _mtimes(folder: Path) -> dict[str, float]:
                 with contextlib.suppress(OSError):
                     times[path] = os.stat(path).st_mtime
     return times
+
+
+async def _install_fence(url: str) -> str:
+    """The fence the chart installs, for the Leases of ``default`` (the operator's namespace)."""
+    import aiohttp
+
+    from kopf_reconcile.testing.fence import install_fence
+
+    async with aiohttp.ClientSession(base_url=url) as http:
+        return await install_fence(http, "default")
 
 
 async def _create_crds(url: str, files: list[Path]) -> list[tuple[str, Path]]:
