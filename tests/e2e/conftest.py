@@ -121,9 +121,9 @@ async def store(embedded_postgres_dsn: str, kube_namespace: str) -> AsyncIterato
 @pytest_asyncio.fixture
 async def operators(kube: Any, kube_namespace: str) -> AsyncIterator[Operators]:
     # The API server's fence, as the chart installs it, over the Leases of the operators'
-    # namespace (their kubeconfig's: default).
+    # namespace (POD_NAMESPACE: the test's).
     async with kube.http_session() as http:
-        await install_fence(http, "default")
+        await install_fence(http, kube_namespace)
     manager = Operators(kube.kubeconfig, kube_namespace)
     try:
         yield manager
