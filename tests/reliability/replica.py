@@ -30,11 +30,12 @@ and is answered even if the Loop cancels the reconcile meanwhile.
 With ``--api-namespace NS`` the reconcile of ``work`` writes to the Kubernetes API instead,
 through a fenced client (``kr.FencedClient``: the lease's epoch sent for the API server's
 fence): it patches the ConfigMap ``work`` of NS every 50 ms (``wrote``). SIGUSR1 then arms
-a *late* write of the kind ``--late`` names (``status``: a status patch of the Gadget
+*late* writes of the kind ``--late`` names (``status``: a status patch of the Gadget
 ``work`` of ``--gadgets GROUP``; ``create``: the ConfigMap ``late``; ``update``: the key
-``late`` into ConfigMap ``work``; ``delete``: the ConfigMap ``victim``), which pauses the
-process after the client's local check and before the request is sent (``pausing``), then
-goes out (``answered`` with ``accepted`` and, if refused, ``reason``).
+``late`` into ConfigMap ``work``; ``delete``: the ConfigMap ``victim``; ``all``: the four
+at once), which pause the process after the client's local check and before any request is
+sent (``pausing``), then go out (``answered`` per write, with ``kind``, ``accepted`` and, if
+refused, ``reason``).
 """
 
 from __future__ import annotations
@@ -131,23 +132,36 @@ class PausingRepository:
 
 
 class PausingApi:
-    """The API client of the replica's fenced writes; once armed, the next request it serves
-    stops the process first (after the fenced client's local check, before sending)."""
+    """The API client of the replica's fenced writes. Armed with N (``arm``), it lets the
+    next N requests pass the fenced client's local check and gather here, then stops the
+    process (SIGSTOP) before any of them is sent: N writes in flight, paused together."""
 
     def __init__(self, kubeconfig: str, report: Reporter) -> None:
         self.inner = LazyApiClient(kubeconfig=kubeconfig)
-        self.armed = False
-        self._report = report
+        self.report = report
+        self.armed = 0
+        self._gathered = 0
+        self._resumed = asyncio.Event()
+
+    def arm(self, writes: int) -> None:
+        self.armed, self._gathered = writes, 0
+        self._resumed.clear()
 
     async def get(self) -> ApiClient:
         if self.armed:
-            self.armed = False
-            self._report("pausing")
-            os.kill(os.getpid(), signal.SIGSTOP)
+            self._gathered += 1
+            if self._gathered < self.armed:
+                await self._resumed.wait()
+            else:
+                self.report("pausing")
+                os.kill(os.getpid(), signal.SIGSTOP)
+                self.armed = 0
+                self._resumed.set()
         return await self.inner.get()
 
 
 CONFIGMAPS = kr.Resource("", "v1", "configmaps")
+LATE_KINDS = ("status", "create", "update", "delete")
 
 
 async def late_write(client: FencedClient, kind: str, namespace: str, gadgets: str) -> None:
@@ -204,19 +218,34 @@ def make_reconcile(
     async def write_to_the_api(client: FencedClient, epoch: int) -> None:
         assert api is not None
         for n in range(1, sys.maxsize):
-            if api.armed:  # this write pauses, then goes out whatever the Loop does meanwhile
-                write = asyncio.ensure_future(
-                    late_write(client, args.late, args.api_namespace, args.gadgets)
-                )
-                try:
-                    await asyncio.shield(write)
-                except BaseException:
-                    with contextlib.suppress(BaseException):
-                        await asyncio.shield(write)
-                    error = write.exception() if write.done() and not write.cancelled() else None
-                    report("answered", epoch=epoch, accepted=error is None, reason=str(error))
-                    raise
-                report("answered", epoch=epoch, accepted=True, reason="")
+            if api.armed:  # these writes pause, then go out whatever the Loop does meanwhile
+                kinds = LATE_KINDS if args.late == "all" else (args.late,)
+                writes = [
+                    asyncio.ensure_future(
+                        late_write(client, kind, args.api_namespace, args.gadgets)
+                    )
+                    for kind in kinds
+                ]
+                cancelled = False
+                for write in writes:
+                    while True:
+                        try:
+                            await asyncio.shield(write)
+                        except asyncio.CancelledError:
+                            if not write.done():
+                                cancelled = True  # the Loop's; the write still goes out
+                                continue
+                        except BaseException:
+                            pass
+                        break
+                for kind, write in zip(kinds, writes, strict=True):
+                    error = write.exception()
+                    report("answered", kind=kind, epoch=epoch, accepted=error is None,
+                           reason="" if error is None else str(error))  # fmt: skip
+                if cancelled:
+                    raise asyncio.CancelledError
+                if any(w.exception() for w in writes):
+                    raise kr.StaleEpochError("late writes refused")
                 continue
             try:
                 await client.patch(
@@ -280,7 +309,12 @@ async def run(args: argparse.Namespace) -> None:
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
     asyncio.get_running_loop().add_signal_handler(
-        signal.SIGUSR1, lambda: setattr(api or repository, "armed", True)
+        signal.SIGUSR1,
+        lambda: (
+            setattr(repository, "armed", True)
+            if api is None
+            else api.arm(len(LATE_KINDS) if args.late == "all" else 1)
+        ),
     )
     await loop.start()
     status = asyncio.create_task(report_leadership(loop, report))
@@ -317,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=1, help="shards (needs --fence-dsn)")
     parser.add_argument("--api-namespace", help="write to the Kubernetes API there (--kubeconfig)")
     parser.add_argument(
-        "--late", choices=["status", "create", "update", "delete"], default="update"
+        "--late", choices=["all", "status", "create", "update", "delete"], default="update"
     )
     parser.add_argument("--gadgets", default="", help="the group of the Gadgets (--late status)")
     args = parser.parse_args(argv)
