@@ -64,6 +64,7 @@ from aiohttp import web
 
 from baselines.build import build as build_baseline
 from kopf_e2e import cluster_process, free_port, install_devices_crd, until
+from kopf_reconcile.testing import install_fence
 from kopf_reconcile.testing.emulated_apiserver import EmbeddedCluster
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
 from results import result, table
@@ -331,6 +332,10 @@ async def leader_of(group: list[Replica], after: float = 0.0) -> Replica:
 async def create_namespace(http: aiohttp.ClientSession, namespace: str, devices: int) -> str:
     async with http.post("/api/v1/namespaces", json={"metadata": {"name": namespace}}) as r:
         assert r.status == 201, await r.text()
+    # The API server's fence over the namespace's Leases, as the chart installs it: it refuses
+    # kopf-reconcile's writes made under a Lease that changed hands (controller-runtime's
+    # carry no lease, and it does not touch them).
+    await install_fence(http, namespace)
     url = f"/apis/example.com/v1/namespaces/{namespace}/devices"
     for i in range(devices):
         body = {"apiVersion": "example.com/v1", "kind": "Device",
