@@ -59,31 +59,13 @@ be gone for the reconciler: the deletion of an object it never selected is
 not its business and triggers nothing (unless the object carries the reconciler's
 finalizer: it is then reconciled as gone to release it, see ``finalizers``).
 
-Watch streams. The shim wraps kopf's watch stream of each resource it reconciles
-(``kopf._cogs.clients.watching.infinite_watch``, reached through
-:mod:`~kopf_reconcile.integration.kopf_internals`) and hands every event, in the
-order the stream delivers it, to the reconcilers of the operator that runs that
-stream (the one whose settings their startup handler received). When the operator
-has no other kopf handler for that resource, the events then go no further: kopf
-spends nothing per event or per object on them (no per-object worker task, memory,
-cause detection, handler invocation or log line), which is most of its CPU per
-event. With other handlers for the resource (an ``@kopf.on.update`` next to a
-reconciler, say), kopf still gets every event for those, and the shim's own
-handler skips what its stream already delivered. Namespaces and CRDs are never
-bypassed: kopf's own observers (of namespaces matching a glob, of resources that
-appear later) read those streams, so there the reconcilers are fed through their
-kopf handler. The cache's intake takes a request
-at once while fewer than the Loop's intake capacity (100,000 by default) of
-distinct objects wait, so the stream does not wait on reconciles.
-
-Relists. When kopf's watch must list again (the API server no longer has the
-events to resume from, "410 Gone"), an object deleted during that gap produces
-no DELETED event. The shim wraps kopf's watch stream of each resource it
-reconciles: once a listing is complete, every object the stream knew that the
-listing no longer holds is delivered as a DELETED event (with its last body),
-as client-go's informers do (:mod:`kopf_reconcile.integration.relisting`). The
-reconcilers, and every kopf handler of that resource in the operator when kopf sees
-its events, get those as they get real ones.
+Watch streams and relists. The shim takes every event of a reconciled resource straight
+from kopf's watch stream, in the stream's order, into the caches of the reconcilers of the
+operator running it (kopf spends nothing on events it has no other handler for), and reports
+objects a relist no longer holds as deleted: :mod:`kopf_reconcile.integration.stream_feed`.
+The cache's intake takes a request at once while fewer than the Loop's intake capacity
+(100,000 by default) of distinct objects wait, so the stream does not wait on reconciles.
+Selection by ``labels`` and ``field_selector``: :mod:`kopf_reconcile.integration.selection`.
 
 Children and finalizers. ``owns=`` and ``watches=`` register an ``on.event`` handler
 per related resource too (fed from its watch stream like the reconciled resource's):
@@ -103,15 +85,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import enum
 import functools
 import inspect
 import logging
 import math
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 import kopf
@@ -147,7 +127,8 @@ from kopf_reconcile.integration.related import (
     parse_related,
     serving_related,
 )
-from kopf_reconcile.integration.relisting import ListingTracker
+from kopf_reconcile.integration.selection import Selection
+from kopf_reconcile.integration.stream_feed import Feeder, install_stream_feed
 from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector, kubeconfig_namespace
 from kopf_reconcile.leader.protocol import LeaderElector
 from kopf_reconcile.loop import Loop
@@ -188,56 +169,6 @@ def _default_metrics() -> Metrics:
     return register_metrics()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Selection:
-    """Client-side object selection: exact labels and a Kubernetes field selector."""
-
-    labels: Mapping[str, str]
-    fields: tuple[tuple[tuple[str, ...], str, bool], ...]  # (path, value, equal)
-
-    _TERM = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(==|!=|=)\s*(.*?)\s*$")
-
-    @classmethod
-    def parse(cls, labels: Mapping[str, str] | None, field_selector: str | None) -> _Selection:
-        if labels is not None and (
-            not isinstance(labels, Mapping)
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
-        ):
-            raise ConfigError(f"labels must be a mapping of label names to values, got {labels!r}")
-        fields: list[tuple[tuple[str, ...], str, bool]] = []
-        if field_selector is not None:
-            if not isinstance(field_selector, str):
-                raise ConfigError(f"field_selector must be a string, got {field_selector!r}")
-            for term in filter(None, (t.strip() for t in field_selector.split(","))):
-                match = cls._TERM.match(term)
-                if match is None:
-                    raise ConfigError(
-                        f"field_selector term {term!r} is not <field>=<value>, <field>==<value> "
-                        f"or <field>!=<value> (in {field_selector!r})"
-                    )
-                path, operator, value = match.groups()
-                fields.append((tuple(path.split(".")), value, operator != "!="))
-        return cls(dict(labels or {}), tuple(fields))
-
-    def matches(self, body: Mapping[str, Any]) -> bool:
-        metadata = body.get("metadata") or {}
-        present = metadata.get("labels") or {}
-        if any(present.get(k) != v for k, v in self.labels.items()):
-            return False
-        return all((_field(body, path) == value) is equal for path, value, equal in self.fields)
-
-
-def _field(body: Mapping[str, Any], path: tuple[str, ...]) -> str:
-    value: Any = body
-    for key in path:
-        value = value.get(key) if isinstance(value, Mapping) else None
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
 @dataclasses.dataclass
 class _Options:
     """What the decorator was given, checked at decoration time."""
@@ -255,7 +186,7 @@ class _Options:
     metrics: Metrics | _FromSettings | None
     name: str
     reconciler_id: str
-    selection: _Selection
+    selection: Selection
     cache_transform: Transform | None = strip_managed_fields
     generation_changed: bool = False
     ambiguous: bool = False  # a default id that names only the resource (see naming)
@@ -281,7 +212,7 @@ class _Registration:
         self._owned: list[object] = []  # electors/repositories built here, closed at cleanup
         self._stopping: asyncio.Task[None] | None = None  # the stop begun by a cleanup
         # The kopf settings of the operator that started this reconciler: its watch
-        # streams feed this reconciler directly (see _install_relist_sweep).
+        # streams feed this reconciler directly (see kopf_reconcile.integration.stream_feed).
         self.settings: object | None = None
         # kopf watch streams that feed it now, per (group, plural) they watch.
         self.feeding_streams: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -751,7 +682,7 @@ def reconciler(
         checked_backoff = (seconds("backoff base", backoff[0]), seconds("backoff max", backoff[1]))
     if metrics is not FROM_SETTINGS and metrics is not None and not isinstance(metrics, Metrics):
         raise ConfigError(f"metrics must come from register_metrics() or be None, got {metrics!r}")
-    selection = _Selection.parse(labels, field_selector)
+    selection = Selection.parse(labels, field_selector)
     if cache_transform is not None and not callable(cache_transform):
         raise ConfigError(f"cache_transform must be a callable or None, got {cache_transform!r}")
     if not isinstance(generation_changed, bool):
@@ -763,7 +694,7 @@ def reconciler(
             f"shards={shards} requires a leader: each shard is led under a lease of its own"
         )
     install_quiet_event_handlers()
-    _install_relist_sweep()
+    install_stream_feed(lambda: _registrations)
 
     def decorator(fn: F) -> F:
         fn_name, reconcile_fn = as_reconcile_fn(fn)
@@ -855,116 +786,6 @@ def check_reconciler_ids(config: process_settings.Settings, registry: Any = None
     for registration in _registrations:
         if registration.registry is real_registry and registration.options.leader is FROM_SETTINGS:
             registration.check_unambiguous()
-
-
-def _install_relist_sweep() -> None:
-    """Make kopf's watch streams of reconciled resources report what a relist no longer holds.
-
-    kopf lists a resource (events of type None), yields its ``Bookmark.LISTED`` marker,
-    then watches; after a 410 it lists again. Its watcher reads the stream from
-    ``kopf._cogs.clients.watching.infinite_watch`` at every start, so a wrapper there
-    sees every listing of every stream and can insert, before the marker, a DELETED
-    event for each object the stream knew that the listing lacks. Those go through
-    kopf's per-object queues like real events, after that object's earlier ones.
-
-    The same wrapper feeds the started reconcilers of the operator running the stream
-    (see "Watch streams" in the module docstring): every event, swept deletions
-    included, reaches their caches in the stream's order, and reaches kopf only when
-    kopf has other handlers of the resource.
-    """
-    found = kopf_internals.infinite_watch()
-    if found is None:  # pragma: no cover - another kopf layout
-        logger.warning(
-            "this kopf version's watch stream cannot be followed: an object deleted while "
-            "a watch lists again (410 Gone) is not reported to its reconciler"
-        )
-        return
-    original, listed_marker = found
-    if getattr(original, "_kopf_reconcile_sweeps", False):
-        return
-
-    async def infinite_watch(
-        *, resource: Any, settings: Any = None, **kwargs: Any
-    ) -> AsyncIterator[Any]:
-        stream = original(resource=resource, settings=settings, **kwargs)
-        key = (resource.group, resource.plural)
-        reconcilers = [r for r in _registrations if r.watches(key)]
-        # The reconcilers of the operator running this stream, started: fed from here.
-        # Not on the streams kopf's own observers read (namespaces for a namespace glob,
-        # CRDs for resources that appear later): those must reach kopf whole, so there
-        # the reconcilers are fed through their kopf handler, as for a shared resource.
-        fed = [
-            r
-            for r in reconcilers
-            if settings is not None
-            and r.settings is settings
-            and r.watches(key, getattr(resource, "version", None))
-            and key not in _OBSERVED_BY_KOPF
-        ]
-        feeders = [r.feeder(key) for r in fed]
-        # Without other kopf handlers of the resource, kopf need not see the events at all.
-        alone = bool(fed) and not any(_kopf_handles(r.registry, resource) for r in fed)
-        async with contextlib.aclosing(stream):
-            if not reconcilers:
-                async for item in stream:
-                    yield item
-                return
-            # Kept for the sweep: the last bodies for kopf's handlers and map_to functions,
-            # else identities only (a child's owner is then read from its cached body).
-            tracker = ListingTracker(whole_bodies=not alone or any(r.maps(key) for r in fed))
-            for registration in fed:
-                registration.feeding_streams[key] += 1
-            try:
-                async for item in stream:
-                    if item is listed_marker:
-                        for deleted in tracker.listed():
-                            await _feed(feeders, deleted)
-                            if not alone:
-                                yield deleted
-                    elif isinstance(item, Mapping):
-                        tracker.observe(item)
-                        await _feed(feeders, item)
-                        if alone:
-                            continue
-                    yield item
-            finally:
-                for registration in fed:
-                    registration.feeding_streams[key] -= 1
-
-    kopf_internals.replace_infinite_watch(infinite_watch, original)
-
-
-# (group, plural) of the resources whose watch streams kopf's observers also read.
-_OBSERVED_BY_KOPF = frozenset(
-    {("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
-)
-
-
-def _kopf_handles(registry: Any, resource: Any) -> bool:
-    """Whether ``registry`` has a handler of ``resource`` other than the shim's own."""
-    registries = kopf_internals.resource_handlers(registry)
-    if registries is None:  # pragma: no cover - another kopf layout: let kopf see all
-        return True
-    for handlers in registries:
-        for handler in handlers:
-            if str(getattr(handler, "id", "")).startswith(EVENT_HANDLER_PREFIX):
-                continue
-            selector = getattr(handler, "selector", None)
-            if selector is None or selector.check(resource):
-                return True
-    return False
-
-
-Feeder: TypeAlias = tuple[str, Callable[[Mapping[str, Any]], Awaitable[None]]]
-
-
-async def _feed(feeders: list[Feeder], event: Mapping[str, Any]) -> None:
-    """One watch event to each reconciler fed by this stream; a failure is logged, not raised."""
-    for reconciler_id, feed in feeders:
-        try:
-            await feed(event)
-        except Exception:
-            logger.exception("reconciler %s could not take a watch event", reconciler_id)
 
 
 def watched_resources(registry: Any = None) -> list[tuple[str, str, str]]:
