@@ -209,6 +209,14 @@ async def dead_lettered(deployment: Deployment, count: int) -> bool:
     return any((e.get("count") or 1) >= count for e in json.loads(answer)["items"])
 
 
+def fence_probe(event: dict[str, Any]) -> bool:
+    return (
+        event.get("verb") == "update"
+        and "dryRun=" in event.get("requestURI", "")
+        and "impersonatedUser" in event
+    )
+
+
 def operator_requests(node: PodNode) -> list[dict[str, Any]]:
     return [e for e in node.audit_events() if e.get("user", {}).get("username") == SERVICE_ACCOUNT]
 
@@ -273,14 +281,13 @@ async def test_installed_replicas_converge_devices_without_a_forbidden_request(
     assert pod_of(holder) in {p["metadata"]["name"] for p in pods}
     requests = operator_requests(deployment.node)
     assert requests, "the audit log shows no request of the chart's ServiceAccount"
-    # (But the fence's coverage probe: a dry run the API server must refuse.)
-    forbidden = [
-        e
-        for e in requests
-        if e.get("responseStatus", {}).get("code") == 403 and "dryRun=" not in e["requestURI"]
-    ]
-    probes = [e for e in requests if "dryRun=" in e["requestURI"]]
+    # (But the fence's coverage probe: a dry-run update of the Lease, impersonating a
+    # holder that does not hold it, which the API server must refuse.)
+    probes = [e for e in requests if fence_probe(e)]
     assert probes and all(e["responseStatus"]["code"] == 403 for e in probes), probes
+    forbidden = [
+        e for e in requests if e.get("responseStatus", {}).get("code") == 403 and not fence_probe(e)
+    ]
     assert not forbidden, f"forbidden: {[(e['verb'], e['requestURI']) for e in forbidden]}"
     await assert_no_stale_write(deployment.dsn)
 
