@@ -214,6 +214,8 @@ def summary_lines(summary: Summary, moves: ShardMoves, ok: bool) -> list[str]:
          "must be 0 (none below an epoch that led its shard's scope)"),
         ("stale API writes accepted", summary.stale_api_accepted,
          "must be 0 (none admitted after a newer term of its shard's Lease)"),
+        ("API writes unfenced", summary.unfenced_api,
+         "must be 0 (each named a Lease the API server knew)"),
         ("lost updates", summary.lost_updates, "must be 0"),
     ]  # fmt: skip
     verdict = "every invariant held" if ok else "AN INVARIANT WAS BROKEN"

@@ -190,6 +190,8 @@ class Demo:
              "late status patches its fence refused (the API server's audit log)"),
             ("stale API writes accepted", summary.stale_api_accepted,
              "must be 0 (none admitted after a newer term of its Lease)"),
+            ("API writes unfenced", summary.unfenced_api,
+             "must be 0 (each named a Lease the API server knew)"),
             ("lost updates", summary.lost_updates, "must be 0"),
             ("dead-lettered events", summary.dead_lettered_events,
              "the malformed Device's Warning DeadLettered Event (its count)"),
