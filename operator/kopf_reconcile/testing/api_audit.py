@@ -16,7 +16,8 @@ with ``--audit-log-path`` (Lease writes at level ``RequestResponse``, so their
 ``audit_log=``. :func:`api_writes` reads the fenced writes, :func:`lease_terms` the Leases'
 terms, :func:`stale_api_writes` finds the stale ones and :func:`assert_no_stale_api_writes`
 fails naming them; :func:`unfenced_api_writes` finds writes that named a Lease the API server
-had no record of (which its fence cannot check).
+had no record of (which its fence cannot check). Each reads the log from byte ``start``: a
+test on a shared cluster's log reads what was written since :func:`log_size` at its start.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "api_writes",
     "assert_no_stale_api_writes",
     "lease_terms",
+    "log_size",
     "refused_api_writes",
     "stale_api_writes",
     "unfenced_api_writes",
@@ -73,8 +75,14 @@ class LeaseTerm:
     epoch: int
 
 
-def _events(path: str | Path) -> Iterator[tuple[int, dict[str, object]]]:
+def log_size(path: str | Path) -> int:
+    """Where the log ends now: a ``start`` for reading only what is written from now on."""
+    return Path(path).stat().st_size if Path(path).exists() else 0
+
+
+def _events(path: str | Path, start: int = 0) -> Iterator[tuple[int, dict[str, object]]]:
     with open(path, encoding="utf-8") as log:
+        log.seek(start)
         for seq, raw in enumerate(log):
             text = raw.strip()
             if not text:
@@ -92,10 +100,10 @@ def _code(event: dict[str, object]) -> int:
     return int(status.get("code", 0)) if isinstance(status, dict) else 0
 
 
-def api_writes(path: str | Path) -> list[ApiWrite]:
+def api_writes(path: str | Path, start: int = 0) -> list[ApiWrite]:
     """Every fenced write in the log (admitted or not), in the log's order."""
     writes = []
-    for seq, event in _events(path):
+    for seq, event in _events(path, start):
         if event.get("verb") not in _WRITES or "dryRun=" in str(event.get("requestURI", "")):
             continue  # a dry run changes nothing (the fence's coverage probe is one)
         user = event.get("impersonatedUser")
@@ -124,16 +132,16 @@ def api_writes(path: str | Path) -> list[ApiWrite]:
     return writes
 
 
-def refused_api_writes(path: str | Path) -> list[ApiWrite]:
+def refused_api_writes(path: str | Path, start: int = 0) -> list[ApiWrite]:
     """The fenced writes the API server refused with 403 Forbidden (its fence)."""
-    return [w for w in api_writes(path) if w.code == 403]
+    return [w for w in api_writes(path, start) if w.code == 403]
 
 
-def lease_terms(path: str | Path) -> list[LeaseTerm]:
+def lease_terms(path: str | Path, start: int = 0) -> list[LeaseTerm]:
     """Every successful write of a Lease the log shows, in the log's order: the Lease after
     the write (its ``responseObject``), or, for a deletion, no holder at epoch ``GONE``."""
     terms = []
-    for seq, event in _events(path):
+    for seq, event in _events(path, start):
         ref = event.get("objectRef")
         if not isinstance(ref, dict) or ref.get("resource") != "leases":
             continue
@@ -158,7 +166,7 @@ def lease_terms(path: str | Path) -> list[LeaseTerm]:
     return terms
 
 
-def _judged(path: str | Path) -> tuple[list[ApiWrite], list[ApiWrite]]:
+def _judged(path: str | Path, start: int = 0) -> tuple[list[ApiWrite], list[ApiWrite]]:
     """The admitted fenced writes that were stale, and those that were unfenced.
 
     A write whose Lease the log does not show (never written, or deleted) is unfenced, and
@@ -169,8 +177,8 @@ def _judged(path: str | Path) -> tuple[list[ApiWrite], list[ApiWrite]]:
     highest: dict[str, int] = {}
     stale: list[ApiWrite] = []
     unfenced: list[ApiWrite] = []
-    events: list[tuple[int, LeaseTerm | ApiWrite]] = [(t.seq, t) for t in lease_terms(path)]
-    events += [(w.seq, w) for w in api_writes(path) if w.admitted]
+    events: list[tuple[int, LeaseTerm | ApiWrite]] = [(t.seq, t) for t in lease_terms(path, start)]
+    events += [(w.seq, w) for w in api_writes(path, start) if w.admitted]
     for _, event in sorted(events, key=lambda pair: pair[0]):
         if isinstance(event, LeaseTerm):
             current[event.lease] = (event.holder, event.epoch)
@@ -187,19 +195,19 @@ def _judged(path: str | Path) -> tuple[list[ApiWrite], list[ApiWrite]]:
     return stale, unfenced
 
 
-def stale_api_writes(path: str | Path) -> list[ApiWrite]:
+def stale_api_writes(path: str | Path, start: int = 0) -> list[ApiWrite]:
     """Admitted fenced writes whose term was not their Lease's current one."""
-    return _judged(path)[0]
+    return _judged(path, start)[0]
 
 
-def unfenced_api_writes(path: str | Path) -> list[ApiWrite]:
+def unfenced_api_writes(path: str | Path, start: int = 0) -> list[ApiWrite]:
     """Admitted fenced writes naming a Lease the log does not show then (never written, or
     deleted): the policy compares a write with the Lease it names, and a Lease that does not
     exist is no parameter, so the write passed unchecked."""
-    return _judged(path)[1]
+    return _judged(path, start)[1]
 
 
-def assert_no_stale_api_writes(path: str | Path) -> None:
+def assert_no_stale_api_writes(path: str | Path, start: int = 0) -> None:
     """Fail, naming them, when the API server admitted any stale write."""
-    stale = stale_api_writes(path)
+    stale = stale_api_writes(path, start)
     assert not stale, "stale API writes admitted:\n" + "\n".join(map(str, stale))
