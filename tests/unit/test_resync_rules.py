@@ -397,7 +397,7 @@ async def test_a_new_leader_whose_store_does_not_answer_leads_without_its_dead_l
     monkeypatch.setattr(dead_letters, "LOAD_TIMEOUT", 0.05)
     runs: list[str] = []
     # The store hangs; its letter of "elsewhere" is one the resync-all never touches.
-    repo = SlowDeadLetterRepo("poison", "elsewhere", latency=10)
+    repo = SlowDeadLetterRepo("poison", "elsewhere", latency=2)  # 40 load timeouts: it hangs
     with caplog.at_level(logging.WARNING, logger="kopf_reconcile.dead_letters"):
         async with fan_out_loop(repo, runs) as loop:
             await eventually(lambda: "healthy" in runs and "poison" in runs)  # retried once
