@@ -24,8 +24,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 import kopf_reconcile as kr
 from kopf_reconcile.fencing.writer import ReconcileLease
 from kopf_reconcile.integration import fence_policy
-from kopf_reconcile.integration.api_client import LazyApiClient
-from kopf_reconcile.integration.fence_lease import LeaseFence, request
+from kopf_reconcile.integration.api_client import LazyApiClient, request
+from kopf_reconcile.integration.fence_lease import LeaseFence
 from kopf_reconcile.integration.fenced_client import ClientContext, FencedClient
 from kopf_reconcile.testing.memory import MemoryLeaseElector, MemoryLeaseStore
 from support import CRDS, eventually, gadget_crd, install_crd

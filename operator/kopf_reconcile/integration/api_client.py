@@ -15,16 +15,18 @@ made here uses a session that does not consult the environment, as kopf's own do
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from kubernetes_asyncio.client import ApiClient
+from multidict import CIMultiDict
 
 from kopf_reconcile.leader.kubernetes import connect_api
 
-__all__ = ["ApiClientSource", "LazyApiClient", "SharedApiClient", "shared_api_client"]
+__all__ = ["ApiClientSource", "LazyApiClient", "SharedApiClient", "request", "shared_api_client"]
 
 
 class LazyApiClient:
@@ -106,3 +108,27 @@ def _without_environment(api: ApiClient) -> ApiClient:
     session.detach()  # the connector now belongs to the new session
     api.rest_client.pool_manager = aiohttp.ClientSession(connector=connector, read_bufsize=2**21)
     return api
+
+
+async def request(
+    client: ApiClientSource,
+    method: str,
+    path: str,
+    *,
+    body: object = None,
+    query: list[tuple[str, str]] | None = None,
+    headers: CIMultiDict[str] | None = None,
+    content_type: str = "application/json",
+) -> Any:
+    """One request to the API server; its JSON answer (an ``ApiException`` for non-2xx)."""
+    api = await client.get()
+    # A multi-valued mapping: impersonated groups repeat one header (typed as a dict there).
+    sent: Any = CIMultiDict(headers or {})
+    sent["Content-Type"] = content_type
+    sent["Accept"] = "application/json"
+    queries: Any = list(query or ())
+    await api.update_params_for_auth(sent, queries, ["BearerToken"])
+    response = await api.rest_client.request(
+        method, f"{api.configuration.host}{path}", query_params=queries, headers=sent, body=body
+    )
+    return json.loads(response.data) if response.data else None

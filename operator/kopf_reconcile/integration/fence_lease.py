@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -44,7 +43,7 @@ from multidict import CIMultiDict
 from kopf_reconcile.control.holding import LeadershipChange, LeaseHolder
 from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.fencing.writer import ReconcileLease
-from kopf_reconcile.integration.api_client import ApiClientSource
+from kopf_reconcile.integration.api_client import ApiClientSource, request
 from kopf_reconcile.integration.fence_policy import (
     EPOCH_EXTRA,
     FENCE_MARKER,
@@ -52,14 +51,14 @@ from kopf_reconcile.integration.fence_policy import (
     LEASE_EXTRA,
     MANAGED_BY_SELECTOR,
 )
+from kopf_reconcile.leader.kubernetes import MAX_EPOCH, format_micro_time
 
-__all__ = ["Identity", "LeadershipWatch", "LeaseFence", "request"]
+__all__ = ["Identity", "LeadershipWatch", "LeaseFence"]
 
 logger = logging.getLogger("kopf_reconcile.fence")
 
 SERVICE_ACCOUNT_PREFIX = "system:serviceaccount:"
 _AUTHENTICATED = "system:authenticated"
-_MAX_EPOCH = 2**31 - 1  # spec.leaseTransitions is an int32
 HTTP_FORBIDDEN, HTTP_NOT_FOUND, HTTP_CONFLICT = 403, 404, 409
 _MIRROR_ATTEMPTS = 5
 #: The holder a coverage probe names: never a real one (holder ids end in a random suffix).
@@ -92,30 +91,6 @@ class Identity:
         return f"<Identity {self.username} groups={list(self.groups)}>"
 
 
-async def request(
-    client: ApiClientSource,
-    method: str,
-    path: str,
-    *,
-    body: object = None,
-    query: list[tuple[str, str]] | None = None,
-    headers: CIMultiDict[str] | None = None,
-    content_type: str = "application/json",
-) -> Any:
-    """One request to the API server; its JSON answer (an ``ApiException`` for non-2xx)."""
-    api = await client.get()
-    # A multi-valued mapping: impersonated groups repeat one header (typed as a dict there).
-    sent: Any = CIMultiDict(headers or {})
-    sent["Content-Type"] = content_type
-    sent["Accept"] = "application/json"
-    queries: Any = list(query or ())
-    await api.update_params_for_auth(sent, queries, ["BearerToken"])
-    response = await api.rest_client.request(
-        method, f"{api.configuration.host}{path}", query_params=queries, headers=sent, body=body
-    )
-    return json.loads(response.data) if response.data else None
-
-
 class LeaseFence:
     """The headers of fenced writes under the Leases of one namespace."""
 
@@ -134,10 +109,6 @@ class LeaseFence:
         self._mirrored: dict[str, tuple[int, str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._probed: set[str] = set()
-
-    @property
-    def mirrors(self) -> bool:
-        return self._mirror_ttl is not None
 
     async def identity(self) -> Identity:
         if self._identity is None:
@@ -223,10 +194,10 @@ class LeaseFence:
         async with lock:
             if self._mirrored.get(name) == (epoch, holder):
                 return
-            if epoch > _MAX_EPOCH:
+            if epoch > MAX_EPOCH:
                 raise StaleEpochError(
                     f"epoch {epoch} of {name!r} does not fit in a Lease's spec.leaseTransitions "
-                    f"(at most {_MAX_EPOCH}): the API server's fence cannot record it"
+                    f"(at most {MAX_EPOCH}): the API server's fence cannot record it"
                 )
             await self._advance(namespace, name, holder, epoch)
             self._mirrored[name] = (epoch, holder)
@@ -273,7 +244,7 @@ class LeaseFence:
                 )
             if shown == epoch:
                 return None
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        now = format_micro_time(datetime.datetime.now(datetime.UTC))
         metadata: dict[str, Any] = {
             "name": name,
             "namespace": namespace,

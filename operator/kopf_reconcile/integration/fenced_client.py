@@ -52,9 +52,9 @@ from kopf_reconcile.api import ConfigError
 from kopf_reconcile.cache import Body, ObjectCache
 from kopf_reconcile.fencing.protocol import StaleEpochError
 from kopf_reconcile.fencing.writer import ReconcileLease, reconcile_lease
-from kopf_reconcile.integration.api_client import ApiClientSource
+from kopf_reconcile.integration.api_client import ApiClientSource, request
 from kopf_reconcile.integration.conditions import set_status_condition
-from kopf_reconcile.integration.fence_lease import LeaseFence, request
+from kopf_reconcile.integration.fence_lease import LeaseFence
 from kopf_reconcile.integration.fence_policy import FENCE_MARKER
 
 __all__ = [

@@ -58,7 +58,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kopf_reconcile.api import ConfigError, Result
 from kopf_reconcile.fencing.writer import reconcile_lease
-from kopf_reconcile.integration.api_client import LazyApiClient, SharedApiClient
+from kopf_reconcile.integration.api_client import LazyApiClient, SharedApiClient, request
 from kopf_reconcile.integration.fenced_client import (
     ClientContext,
     FencedClient,
@@ -215,16 +215,8 @@ class FinalizerWriter:
 
     async def _read(self, body: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """The object as the API server holds it now; None when it is gone."""
-        api = await self._client.get()
         try:
-            found: Mapping[str, Any] = await api.call_api(
-                self._path(body),
-                "GET",
-                header_params={"Accept": "application/json"},
-                auth_settings=["BearerToken"],
-                response_types_map={200: "object"},
-                _return_http_data_only=True,
-            )
+            found: Mapping[str, Any] = await request(self._client, "GET", self._path(body))
         except ApiException as exc:
             if exc.status == HTTP_NOT_FOUND:
                 return None
