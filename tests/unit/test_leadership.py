@@ -249,7 +249,7 @@ async def test_leadership_observers_are_told_of_leading_and_of_losing() -> None:
             store.expire(RID)
             await MemoryLeaseElector(store, kr.LeaseTTL(60)).acquire_lease(RID)
             await eventually(lambda: len(seen) == 2)
-            assert seen[1] == LeadershipChange(False, RID, epoch)
+            assert seen[1] == LeadershipChange(False, RID, epoch, elector.holder_id)
             store.expire(RID)  # the other holder's lease runs out: it leads again
             await eventually(lambda: len(seen) == 3)
             assert seen[2] == LeadershipChange(True, RID, epoch + 2, elector.holder_id)

@@ -49,7 +49,8 @@ their line, so an operator that can never lead is told apart from a flaky API.
 Observers. :meth:`LeaseHolder.observe` registers a callable told of every lease holder of
 this process that starts or stops leading (a :class:`LeadershipChange`): just *before* it
 starts leading, and just *after* it has given up (a step-down, a stop, an abandoned stop),
-so an interval between the two always covers the real one. The chaos harness's replicas
+so an interval between the two always covers the real leadership (not reconciles that
+outlive their cancellation: they may still end after it). The chaos harness's replicas
 report their leadership with it (:mod:`kopf_reconcile.testing.chaos.replica`). An observer
 that raises is logged and changes nothing of the lease.
 """
@@ -90,7 +91,7 @@ class LeadershipChange:
     leading: bool
     reconciler_id: str
     epoch: int
-    holder_id: str | None = None  # whose lease it leads (given when it starts leading)
+    holder_id: str | None = None  # the holder of the term that starts or ends
 
 
 LeadershipObserver = Callable[[LeadershipChange], None]
@@ -435,7 +436,8 @@ class LeaseHolder:
         self._valid_until = 0.0
         self._metrics.leader.set(0)
         if was_leading:
-            self._notify(LeadershipChange(False, self._reconciler_id, self._epoch))
+            change = LeadershipChange(False, self._reconciler_id, self._epoch, self._holder_id)
+            self._notify(change)
 
     def _notify(self, change: LeadershipChange) -> None:
         for observer in tuple(self._observers):

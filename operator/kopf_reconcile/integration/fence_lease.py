@@ -149,18 +149,19 @@ class LeaseFence:
             namespace = await self._namespace()
             if self._mirror_ttl is not None:
                 await self._mirror(namespace, name, holder, epoch)
-            if name not in self._probed:
-                self._probed.add(name)
-                await self._probe(namespace, name, epoch)
+            if name not in self._probed and await self._probe(namespace, name, epoch):
+                self._probed.add(name)  # a verdict; an inconclusive probe runs again next term
         except (StaleEpochError, ApiException, OSError, aiohttp.ClientError) as exc:
             logger.warning("lease %s: the fence's check at a new term failed: %s", name, exc)
 
-    async def _probe(self, namespace: str, name: str, epoch: int) -> None:
-        """Refused: the fence covers the Lease. Admitted again and again: an error says so."""
+    async def _probe(self, namespace: str, name: str, epoch: int) -> bool:
+        """Refused: the fence covers the Lease. Admitted again and again: an error says so.
+        Whether it reached a verdict (False: the Lease kept changing under it)."""
         path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"
         identity = await self.identity()
         extras = {LEASE_EXTRA: f"{namespace}/{name}", HOLDER_EXTRA: PROBE_HOLDER}
         headers = identity.headers({**extras, EPOCH_EXTRA: str(epoch)})
+        admitted = 0
         for _ in range(_PROBE_ATTEMPTS):
             lease = await request(self._client, "GET", path)
             try:
@@ -168,11 +169,14 @@ class LeaseFence:
                 await request(self._client, "PUT", path, body=lease, query=dry_run, headers=headers)
             except ApiException as exc:
                 if exc.status == HTTP_FORBIDDEN and FENCE_MARKER in str(exc.body or ""):
-                    return  # covered
+                    return True  # covered
                 if exc.status != HTTP_CONFLICT:
                     raise
                 continue  # renewed meanwhile: read it again
+            admitted += 1
             await asyncio.sleep(_PROBE_DELAY)
+        if admitted < _PROBE_ATTEMPTS // 2:
+            return False  # mostly conflicts: no verdict
         logger.error(
             "the API server's fence does not cover lease %s/%s: a write under it that another "
             "holder has taken over is admitted, so a paused former leader's late API writes "
@@ -184,6 +188,7 @@ class LeaseFence:
             namespace,
             namespace,
         )
+        return True
 
     # -- the mirror of a PostgreSQL lease ----------------------------------------------
 
