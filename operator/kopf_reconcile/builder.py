@@ -130,8 +130,10 @@ class Builder:
         """Split the entities into ``shards`` shards, each led under a lease of its own.
 
         Default 1 (not sharded). With N > 1, shard ``k`` has the lease and fencing scope
-        ``<reconciler id>-shard-<k>``; an entity's shard is FNV-1a 64 of its id (or, with
-        ``by_namespace``, of what precedes its first ``/``) modulo N. Requires a leader,
+        ``<reconciler id>-shard-<k>``; an entity's shard is FNV-1a 64 of its id modulo N, or
+        with ``by_namespace`` the one of N equal ranges of the hash space that the hash of
+        what precedes its first ``/`` falls in (as the API server's shard selectors split
+        it: :mod:`kopf_reconcile.sharding`). Requires a leader,
         and a fenced repository that can fence shards (``ShardableRepository``); see
         :mod:`kopf_reconcile.sharded_loop`. ``concurrency`` is per shard.
         """

@@ -1,13 +1,22 @@
 """Which shard an entity belongs to: a pure, stable function of its id.
 
 A reconciler with ``shards=N`` (``Builder.with_shards(N)``) splits its entities into
-N shards. An entity's shard is ``FNV-1a 64(key) mod N`` (the hash Kubernetes' sharded
-list and watch uses), where the key is the entity id, or with ``by_namespace`` only
-the part before the first ``/`` (the namespace of a ``<namespace>/<name>`` id, the
-tenant of a TENANT_SCOPED id; an id without ``/`` is its own key). The shard depends
-on nothing but the id and N, so an entity keeps its shard across delete and recreate,
-and every replica computes the same shard for it: each shard's fencing scope sees
-every write of its entities, and only those.
+N shards, by the 64-bit FNV-1a hash (the hash of Kubernetes' sharded list and watch,
+KEP-5866) of a key that depends on nothing but the id:
+
+* by id (the default), the key is the entity id and the shard ``hash mod N``;
+* ``by_namespace``, the key is the part of the id before its first ``/`` (the namespace
+  of a ``<namespace>/<name>`` id, the tenant of a TENANT_SCOPED id; an id without ``/``
+  is its own key), and the shard is the contiguous range of the hash space
+  (:func:`hash_range`) the key's hash falls in: exactly how a KEP-5866
+  ``shardRange(object.metadata.namespace, ...)`` selector splits it, so the API server
+  can send a replica its shards' objects and no others (:meth:`ShardAssignment.selector`).
+
+Either way an entity keeps its shard across delete and recreate, and every replica
+computes the same shard for it: each shard's fencing scope sees every write of its
+entities, and only those. (The server can also select by ``metadata.uid``; a shard keyed
+by uid would move an entity to another shard when its object is recreated, which the
+fencing cannot allow: see docs/safety.md, "Shards".)
 
 Each shard has a lease and a fencing scope of its own, both named
 ``<reconciler id>-shard-<k>`` (:func:`shard_id`). ``N == 1`` is not sharding: the
@@ -17,6 +26,7 @@ reconciler keeps its own lease name and scope.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from kopf_reconcile.api import ConfigError
 
@@ -107,15 +117,24 @@ def validate_shards(value: object) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ShardAssignment:
-    """Entity ids into ``shards`` shards, by the whole id or by its namespace alone."""
+    """Entity ids into ``shards`` shards, by the whole id or by its namespace alone.
+
+    ``namespace_modulo`` is the by-namespace assignment of earlier releases (``hash mod N``
+    instead of ranges): it is only ever read back from a store that recorded it, so that
+    ``kopf-reconcile reshard`` can move its entities; no replica runs it.
+    """
 
     shards: int
     by_namespace: bool = False
+    namespace_modulo: bool = False
 
     def __post_init__(self) -> None:
         validate_shards(self.shards)
-        if not isinstance(self.by_namespace, bool):
-            raise ConfigError(f"shard by_namespace must be a bool, got {self.by_namespace!r}")
+        for name in ("by_namespace", "namespace_modulo"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"shard {name} must be a bool, got {getattr(self, name)!r}")
+        if self.namespace_modulo and not self.by_namespace:
+            raise ConfigError("namespace_modulo describes a by_namespace assignment only")
 
     def key(self, entity_id: str) -> str:
         """What is hashed: the id, or with ``by_namespace`` what precedes its first ``/``."""
@@ -129,4 +148,28 @@ class ShardAssignment:
         """The shard of ``entity_id``, in ``range(shards)``."""
         if self.shards == 1:
             return 0
-        return fnv1a_64(self.key(entity_id).encode("utf-8", "surrogatepass")) % self.shards
+        key = self.key(entity_id)
+        if self.by_namespace and not self.namespace_modulo:
+            return range_of(key, self.shards)
+        return fnv1a_64(key.encode("utf-8", "surrogatepass")) % self.shards
+
+    @property
+    def server_selectable(self) -> bool:
+        """Whether the API server can select a shard's objects exactly (by namespace ranges)."""
+        return self.shards > 1 and self.by_namespace and not self.namespace_modulo
+
+    def selector(self, shards: Iterable[int]) -> str | None:
+        """The KEP-5866 ``shardSelector`` of exactly the namespaced objects of ``shards``
+        (adjacent ranges joined), ``None`` when the server cannot select them
+        (:attr:`server_selectable`) or ``shards`` is empty."""
+        chosen = sorted(set(shards))
+        if not self.server_selectable or not chosen:
+            return None
+        ranges: list[tuple[int, int]] = []
+        for k in chosen:
+            start, end = hash_range(k, self.shards)
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((start, end))
+        return shard_selector(NAMESPACE_FIELD, ranges)

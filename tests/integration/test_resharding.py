@@ -199,9 +199,56 @@ async def test_reshard_refuses_a_scope_never_led_and_the_same_layout(dsn: str) -
                 await admin.reshard(3)
             # Another assignment of the same count is another layout.
             report = await admin.reshard(3, by_namespace=True)
-            assert report.new_layout == f"{sharded}/shards=3/by-namespace"
+            assert report.new_layout == f"{sharded}/shards=3/namespace-ranges"
     finally:
         await base.close()
+
+
+async def test_an_earlier_releases_by_namespace_layout_is_refused_then_resharded(
+    dsn: str,
+) -> None:
+    # Earlier releases assigned by namespace modulo N and recorded `/by-namespace`; this
+    # release assigns by namespace ranges. A replica of it is refused there (the same
+    # entity would be fenced in two scopes), and the reshard its hint names moves the
+    # entities to their range shards.
+    rid = fresh_id()
+    modulo = ShardAssignment(3, by_namespace=True, namespace_modulo=True)
+    ranges = ShardAssignment(3, by_namespace=True)
+    entities = [f"team-{i}/dev" for i in range(30)]
+    assert any(modulo.shard_of(e) != ranges.shard_of(e) for e in entities)
+    base, parts = await sharded_repositories(dsn, rid, 3)
+    try:
+        for part in parts:
+            await part.record_epoch(2, "old")
+        connection = await asyncpg.connect(dsn)
+        try:  # what an earlier release's record_shard_count(3, by_namespace=True) wrote
+            await connection.execute(
+                f"UPDATE {TABLE}_epochs SET lease = $2 WHERE scope = $1",
+                rid,
+                f"{rid}/shards=3/by-namespace",
+            )
+        finally:
+            await connection.close()
+        for entity in entities:
+            k = modulo.shard_of(entity)
+            assert await parts[k].apply_fenced(entity, 2, {"id": entity})
+    finally:
+        await base.close()
+    async with PostgresFencedRepository(dsn) as replica:
+        replica.bind_loop(reconciler_id=rid, tenancy=kr.Tenancy.TENANT_SCOPED)
+        with pytest.raises(ShardLayoutError, match="--shards 3 --by-namespace") as refused:
+            await replica.record_shard_count(3, by_namespace=True)
+        assert f"{rid}/shards=3/by-namespace" in str(refused.value)
+    async with PostgresFencedRepository(dsn, scope=rid) as admin:
+        report = await admin.reshard(3, by_namespace=True)
+    assert report.new_layout == f"{rid}/shards=3/namespace-ranges"
+    placed = await rows(dsn, TABLE, rid)
+    assert {e: where[0][0] for e, where in placed.items()} == {
+        e: shard_id(rid, ranges.shard_of(e)) for e in entities
+    }
+    async with PostgresFencedRepository(dsn) as replica:
+        replica.bind_loop(reconciler_id=rid, tenancy=kr.Tenancy.TENANT_SCOPED)
+        await replica.record_shard_count(3, by_namespace=True)  # accepted now
 
 
 @settings(

@@ -1,5 +1,6 @@
-"""KEP-5866's hash ranges and selectors, which names belong to a reconciler, and the
-leases a layout change retires."""
+"""KEP-5866's hash ranges and selectors, the by-namespace assignment by those ranges (and
+the earlier releases' one, read back from a store), which names belong to a reconciler,
+and the leases a layout change retires."""
 
 from __future__ import annotations
 
@@ -8,9 +9,17 @@ import random
 import pytest
 
 from kopf_reconcile.control.layout_wait import LAYOUT_RETRY_MAX, LayoutRefused, LayoutWait
+from kopf_reconcile.api import ConfigError
+from kopf_reconcile.fencing.postgres.layout import (
+    base_lease,
+    layout_lease,
+    parse_layout,
+    shard_scope_lease,
+)
 from kopf_reconcile.integration.cli import retired_leases
 from kopf_reconcile.sharding import (
     HASH_SPACE,
+    ShardAssignment,
     NAMESPACE_FIELD,
     UID_FIELD,
     fnv1a_64,
@@ -79,3 +88,66 @@ def test_a_layout_wait_doubles_up_to_a_minute_and_starts_again_once_accepted() -
     wait.accepted()
     wait.refused(Exception("layout"))
     assert wait.backoff == 2.0
+
+
+_RNG = random.Random(5866)
+NAMESPACES = ["default", "kube-system", "ünï", "x"] + [
+    "".join(_RNG.choice("abcdefghijklmnopqrstuvwxyz-") for _ in range(_RNG.randint(3, 20)))
+    for _ in range(300)
+]
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4, 8])
+def test_by_namespace_a_shard_is_the_range_its_namespaces_hash_falls_in(shards: int) -> None:
+    assignment = ShardAssignment(shards, by_namespace=True)
+    assert assignment.server_selectable
+    for namespace in NAMESPACES:
+        k = assignment.shard_of(f"{namespace}/obj")
+        start, end = hash_range(k, shards)
+        assert start <= fnv1a_64(namespace.encode()) < end
+        assert k == range_of(namespace, shards)
+    # Every range gets namespaces (the ranges, not a modulo, decide).
+    assert {assignment.shard_of(f"{n}/o") for n in NAMESPACES} == set(range(shards))
+
+
+def test_a_selector_names_exactly_the_ranges_of_the_shards_given() -> None:
+    assignment = ShardAssignment(4, by_namespace=True)
+    q = [f"0x{k * HASH_SPACE // 4:016x}" for k in range(4)] + ["0x10000000000000000"]
+    field = NAMESPACE_FIELD
+    assert assignment.selector([2]) == f"shardRange({field}, '{q[2]}', '{q[3]}')"
+    # Adjacent shards are one range; others are joined with ||, in order.
+    assert assignment.selector([3, 1, 2]) == f"shardRange({field}, '{q[1]}', '{q[4]}')"
+    assert assignment.selector([3, 0]) == (
+        f"shardRange({field}, '{q[0]}', '{q[1]}') || shardRange({field}, '{q[3]}', '{q[4]}')"
+    )
+    assert assignment.selector([]) is None
+    # By id, and by the earlier releases' modulo, the server cannot select a shard.
+    assert ShardAssignment(4).selector([0]) is None
+    assert ShardAssignment(4, True, namespace_modulo=True).selector([0]) is None
+    assert ShardAssignment(1).selector([0]) is None
+
+
+def test_layouts_are_named_apart_and_read_back() -> None:
+    ranges, by_id = ShardAssignment(3, by_namespace=True), ShardAssignment(3)
+    modulo = ShardAssignment(3, by_namespace=True, namespace_modulo=True)
+    assert layout_lease("r", by_id) == "r/shards=3"
+    assert layout_lease("r", ranges) == "r/shards=3/namespace-ranges"
+    assert layout_lease("r", modulo) == "r/shards=3/by-namespace"  # as earlier releases wrote
+    assert shard_scope_lease("r-shard-1", ranges) == "r-shard-1@shards=3/namespace-ranges"
+    for assignment in (ranges, by_id, modulo):
+        assert parse_layout(base_lease("r", assignment)) == ("r", assignment)
+    # The earlier by-namespace layout assigned by modulo: read back as such.
+    assert all(
+        modulo.shard_of(f"{n}/o") == fnv1a_64(n.encode()) % 3 for n in NAMESPACES
+    )
+    with pytest.raises(ConfigError, match="namespace_modulo"):
+        ShardAssignment(3, namespace_modulo=True)
+
+
+def test_numbered_namespaces_crowd_into_few_ranges() -> None:
+    # FNV-1a's high bits barely change with a name's last characters: namespaces that differ
+    # only in a number share a few ranges (docs/safety.md says so; a modulo spreads them).
+    numbered = [f"team-{i}" for i in range(300)]
+    ranges = {ShardAssignment(8, by_namespace=True).shard_of(f"{n}/o") for n in numbered}
+    assert len(ranges) <= 4
+    assert {ShardAssignment(8).shard_of(n) for n in numbered} == set(range(8))

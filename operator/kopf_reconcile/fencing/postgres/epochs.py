@@ -133,9 +133,7 @@ class EpochRecording(RepositoryBase):
             qualified = (
                 None
                 if layout is None
-                else shard_scope_lease(
-                    lease, layout.assignment.shards, layout.assignment.by_namespace
-                )
+                else shard_scope_lease(lease, layout.assignment)
             )
             row = await connection.fetchrow(
                 self._record_sql, self._scope, epoch, lease, holder, qualified

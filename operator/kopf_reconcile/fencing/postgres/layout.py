@@ -2,8 +2,13 @@
 
 Sharded reconcilers (``for_shard``) fence each shard in a scope of its own, and their
 base scope records the layout (``record_shard_count``): its epochs row names the lease
-``<reconciler id>/shards=N[/by-namespace]`` (:func:`layout_lease`). A reshard names in
+``<reconciler id>/shards=N[/namespace-ranges]`` (:func:`layout_lease`). A reshard names in
 each shard scope the shard's lease qualified by the layout (:func:`shard_scope_lease`).
+
+``/by-namespace`` is the by-namespace layout of earlier releases (``hash mod N``, not
+ranges): it is read back so that a store that recorded it can be resharded, and it never
+matches what a replica of this release runs, so such a replica is refused (with the hint)
+instead of fencing an entity in another scope than the old replicas do.
 """
 
 from __future__ import annotations
@@ -50,21 +55,34 @@ class ShardLayout:
     current: Layout | None = None
 
 
-def layout_lease(reconciler_id: str, shards: int, by_namespace: bool) -> str:
-    """The lease a base scope's epochs row names for a layout (``<id>/shards=N[/by-namespace]``)."""
-    return f"{reconciler_id}/shards={shards}" + ("/by-namespace" if by_namespace else "")
+_NAMESPACE_RANGES = "/namespace-ranges"
+_NAMESPACE_MODULO = "/by-namespace"  # earlier releases' by-namespace layout
 
 
-def shard_scope_lease(shard_lease: str, shards: int, by_namespace: bool) -> str:
-    """What a shard scope's epochs row names once a reshard made ``shards`` its layout.
+def _layout(assignment: ShardAssignment) -> str:
+    """``shards=N`` and how entities are assigned, as the leases name a layout."""
+    if not assignment.by_namespace:
+        return f"shards={assignment.shards}"
+    mode = _NAMESPACE_MODULO if assignment.namespace_modulo else _NAMESPACE_RANGES
+    return f"shards={assignment.shards}{mode}"
 
-    ``<id>-shard-<k>@shards=N[/by-namespace]``: the shard's lease qualified by the layout.
+
+def layout_lease(reconciler_id: str, assignment: ShardAssignment) -> str:
+    """The lease a base scope's epochs row names for a layout
+    (``<id>/shards=N[/namespace-ranges]``)."""
+    return f"{reconciler_id}/{_layout(assignment)}"
+
+
+def shard_scope_lease(shard_lease: str, assignment: ShardAssignment) -> str:
+    """What a shard scope's epochs row names once a reshard made ``assignment`` its layout.
+
+    ``<id>-shard-<k>@shards=N[/namespace-ranges]``: the shard's lease qualified by the layout.
     A shard's :meth:`~PostgresFencedRepository.record_epoch` of this release accepts it
     when its layout is that one, and a client of a release without the layout check
     (which requires the plain lease name) is refused by the server. It never contains
     ``/shards=``, so it is never taken for a base scope's layout (:func:`parse_layout`).
     """
-    return f"{shard_lease}@shards={shards}" + ("/by-namespace" if by_namespace else "")
+    return f"{shard_lease}@{_layout(assignment)}"
 
 
 # A scope of a reconciler: its base scope ``given`` or one of its shard scopes
@@ -75,7 +93,7 @@ OF_RECONCILER = (
 )
 
 _LAYOUT_LEASE = re.compile(
-    r"(?s)(?P<id>.+)/shards=(?P<shards>[0-9]+)(?P<by_namespace>/by-namespace)?"
+    r"(?s)(?P<id>.+)/shards=(?P<shards>[0-9]+)(?P<mode>/namespace-ranges|/by-namespace)?"
 )
 
 
@@ -87,7 +105,8 @@ def parse_layout(lease: object) -> tuple[str, ShardAssignment] | None:
     shards = int(found["shards"])
     if not 2 <= shards <= MAX_SHARDS:
         return None
-    return found["id"], ShardAssignment(shards, bool(found["by_namespace"]))
+    mode = found["mode"]
+    return found["id"], ShardAssignment(shards, bool(mode), mode == _NAMESPACE_MODULO)
 
 
 def base_lease(reconciler_id: str, assignment: ShardAssignment) -> str:
@@ -95,7 +114,7 @@ def base_lease(reconciler_id: str, assignment: ShardAssignment) -> str:
     lease when unsharded, else the layout (:func:`layout_lease`)."""
     if assignment.shards == 1:
         return reconciler_id
-    return layout_lease(reconciler_id, assignment.shards, assignment.by_namespace)
+    return layout_lease(reconciler_id, assignment)
 
 
 def reconciler_of(lease: object, *, sharded: bool = False) -> str | None:

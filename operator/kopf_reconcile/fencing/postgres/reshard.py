@@ -50,7 +50,7 @@ class ReshardReport:
 
     scope: str  # the base scope
     reconciler_id: str  # whose shard leases are ``<reconciler_id>-shard-<k>``
-    old_layout: str  # the lease the base scope recorded, ``<id>/shards=N[/by-namespace]``
+    old_layout: str  # the lease the base scope recorded, ``<id>/shards=N[/namespace-ranges]``
     new_layout: str
     old_shards: int
     new_shards: int
@@ -90,7 +90,7 @@ class ShardLayouts(EpochRecording):
         """Record in this scope that its entities are fenced in ``shards`` shard scopes.
 
         The scope's epochs row then names the lease ``<reconciler id>/shards=<N>`` (with
-        ``/by-namespace`` when entities are sharded by namespace): an
+        ``/namespace-ranges`` when entities are sharded by namespace): an
         unsharded leader of the scope (whose lease is the reconciler id) and a
         reconciler with another shard count are refused, and so is this one when the
         scope was led unsharded or with another count (a
@@ -101,7 +101,7 @@ class ShardLayouts(EpochRecording):
         """
         assignment = ShardAssignment(check_shard_count(shards), by_namespace)
         base = self._bound_to[0] if self._bound_to is not None else self._scope
-        lease = layout_lease(base, shards, by_namespace)
+        lease = layout_lease(base, assignment)
         self._shards_layout.current = Layout(self._scope, lease, assignment)
         pool = await self._ready_pool()
         async with pool.acquire() as connection, connection.transaction():
@@ -225,7 +225,7 @@ class ShardLayouts(EpochRecording):
         count = max(current.shards, target.shards)
         shard_scopes = [shard_id(base, k) for k in range(count)] if count > 1 else []
         leases = [
-            shard_scope_lease(shard_id(reconciler_id, k), target.shards, target.by_namespace)
+            shard_scope_lease(shard_id(reconciler_id, k), target)
             for k in range(len(shard_scopes))
         ]
         # Every shard scope gets a row to lock (and to fence), then all are locked in

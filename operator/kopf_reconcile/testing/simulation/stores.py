@@ -338,6 +338,6 @@ class StoreRepository:
 
     async def record_shard_count(self, shards: int, *, by_namespace: bool = False) -> None:
         """Record the layout in this scope, as the real store does (its lease names it)."""
-        layout = f"{self._lease}/shards={shards}" + ("/by-namespace" if by_namespace else "")
+        layout = f"{self._lease}/shards={shards}" + ("/namespace-ranges" if by_namespace else "")
         self._layout.current = (self.scope, layout)
         await self._io("record", lambda: self.store.record(self.scope, 0, layout, "shards"))
