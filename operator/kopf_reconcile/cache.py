@@ -258,6 +258,11 @@ class ObjectCache:
         if self._forget(entity_id, _uid(body)):
             await self._request(entity_id)
 
+    def release(self, entity_id: str, body: Mapping[str, Any]) -> None:
+        """The object is no longer watched here (another replica's shard): forget this
+        incarnation, requesting nothing and marking nothing gone (it may come back)."""
+        self._forget(entity_id, _uid(body))
+
     def _forget(self, entity_id: str, uid: str | None) -> bool:
         """Drop ``uid``'s incarnation (None: all of them); whether anything was dropped."""
         incarnations = self._entities.get(entity_id)

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from kopf_reconcile.control.layout_wait import LAYOUT_RETRY_MAX, LayoutRefused, LayoutWait
 from kopf_reconcile.api import ConfigError
+from kopf_reconcile.control.layout_wait import LAYOUT_RETRY_MAX, LayoutRefused, LayoutWait
 from kopf_reconcile.fencing.postgres.layout import (
     base_lease,
     layout_lease,
@@ -19,9 +19,9 @@ from kopf_reconcile.fencing.postgres.layout import (
 from kopf_reconcile.integration.cli import retired_leases
 from kopf_reconcile.sharding import (
     HASH_SPACE,
-    ShardAssignment,
     NAMESPACE_FIELD,
     UID_FIELD,
+    ShardAssignment,
     fnv1a_64,
     hash_range,
     of_reconciler,
@@ -137,9 +137,7 @@ def test_layouts_are_named_apart_and_read_back() -> None:
     for assignment in (ranges, by_id, modulo):
         assert parse_layout(base_lease("r", assignment)) == ("r", assignment)
     # The earlier by-namespace layout assigned by modulo: read back as such.
-    assert all(
-        modulo.shard_of(f"{n}/o") == fnv1a_64(n.encode()) % 3 for n in NAMESPACES
-    )
+    assert all(modulo.shard_of(f"{n}/o") == fnv1a_64(n.encode()) % 3 for n in NAMESPACES)
     with pytest.raises(ConfigError, match="namespace_modulo"):
         ShardAssignment(3, namespace_modulo=True)
 

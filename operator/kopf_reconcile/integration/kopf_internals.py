@@ -13,7 +13,10 @@ shim (:mod:`kopf_reconcile.integration.kopf_shim`) needs four things it does not
   ``_spawning``, ``_changing``, ``_webhooks``, each's ``get_all_handlers()``), to tell
   whether kopf itself must see a resource's events (:func:`resource_handlers`);
 * kopf's own namespace matching (``kopf._cogs.structs.references.match_namespace``),
-  for readiness to watch exactly the namespaces kopf watches (:func:`match_namespace`).
+  for readiness to watch exactly the namespaces kopf watches (:func:`match_namespace`);
+* how its list and watch read ``settings.watching.shard_selectors`` (``collect(resource)``,
+  the first value used), to give one stream a KEP-5866 selector of its own
+  (:func:`shard_selector_of`, :func:`with_shard_selector`).
 
 ``pyproject.toml`` admits only the kopf releases the suite has run against (1.45.2 and
 its patch releases), and ``tests/unit/test_kopf_internals.py`` fails when one of these
@@ -25,6 +28,7 @@ it (see each caller), never guessed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Callable, Collection
 from typing import Any
@@ -38,6 +42,8 @@ __all__ = [
     "replace_infinite_watch",
     "resource_handlers",
     "shape_problems",
+    "shard_selector_of",
+    "with_shard_selector",
 ]
 
 # The keyword parameters of kopf's infinite_watch the shim's wrapper passes on as they are.
@@ -120,6 +126,11 @@ def shape_problems() -> list[str]:
             problems.append(
                 f"kopf's infinite_watch takes {parameters}, not {INFINITE_WATCH_PARAMETERS}"
             )
+    from kopf._cogs.clients import fetching, watching
+
+    for function in (fetching.fetch_objs, watching.watch_objs):
+        if "shard_selectors.collect(resource)" not in inspect.getsource(function):
+            problems.append(f"kopf's {function.__name__} does not read shard_selectors.collect")
     import kopf
 
     registry = kopf.OperatorRegistry()
@@ -133,3 +144,28 @@ def shape_problems() -> list[str]:
     except (ImportError, AttributeError, TypeError) as exc:
         problems.append(f"kopf's match_namespace cannot be called: {exc!r}")
     return problems
+
+
+def shard_selector_of(settings: Any, resource: Any) -> str:
+    """The ``shardSelector`` kopf's list and watch of ``resource`` send ('' for none)."""
+    found = settings.watching.shard_selectors.collect(resource)
+    return str(found[0]) if found else ""
+
+
+class _OneSelector:
+    """Stands for kopf's ``SelectorMapping`` of shard selectors: one value for every resource
+    (the settings it is in serve one stream)."""
+
+    def __init__(self, selector: str) -> None:
+        self._selector = selector
+
+    def collect(self, resource: Any) -> list[str]:
+        return [self._selector]
+
+
+def with_shard_selector(settings: Any, selector: str) -> Any:
+    """A copy of kopf's ``settings`` whose lists and watches send ``selector`` (for one stream)."""
+    copied = copy.copy(settings)
+    copied.watching = copy.copy(settings.watching)
+    copied.watching.shard_selectors = _OneSelector(selector)
+    return copied

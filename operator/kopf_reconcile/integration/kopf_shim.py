@@ -128,6 +128,7 @@ from kopf_reconcile.integration.related import (
     serving_related,
 )
 from kopf_reconcile.integration.selection import Selection
+from kopf_reconcile.integration.shard_watch import ShardWatch
 from kopf_reconcile.integration.stream_feed import Feeder, install_stream_feed
 from kopf_reconcile.leader.kubernetes import KubernetesLeaseElector, kubeconfig_namespace
 from kopf_reconcile.leader.protocol import LeaderElector
@@ -193,6 +194,7 @@ class _Options:
     events: bool = True  # Kubernetes Events on the objects (see integration.events)
     # One lease per shard (see sharded_loop); one shard: not sharded.
     shards: ShardAssignment = dataclasses.field(default_factory=lambda: ShardAssignment(1))
+    watch_all_shards: bool = False  # by namespace: every replica watches every shard
     related: tuple[Related, ...] = ()  # owned and watched resources (see related)
     finalizer: str | None = None  # the finalizer's name (see finalizers)
 
@@ -216,6 +218,8 @@ class _Registration:
         self.settings: object | None = None
         # kopf watch streams that feed it now, per (group, plural) they watch.
         self.feeding_streams: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Sharded by namespace ranges: its streams carry only the shards it leads.
+        self.shard_watch: ShardWatch | None = None
 
     @property
     def reconciler_id(self) -> str:
@@ -263,6 +267,9 @@ class _Registration:
             repository: FencedRepository | None = None
             if elector is not None or o.fenced is not FROM_SETTINGS:
                 repository = await self._resolve("fenced", o.fenced, config.build_fenced_repository)
+            if elector is not None and o.shards.server_selectable and not o.watch_all_shards:
+                self.shard_watch = ShardWatch(o.reconciler_id, o.shards).follow_leadership()
+                self._owned.append(self.shard_watch)
             cache = ObjectCache(transform=o.cache_transform)
             related = RelatedObjects(o.related, o.cache_transform)
             api = shared_api_client()
@@ -324,6 +331,7 @@ class _Registration:
             self.settings = settings  # from now on its watch streams feed the cache
         except BaseException:
             self.cache = self.related = self.finalizing = self.client_context = None
+            self.shard_watch = None
             await self._close_owned()
             raise
         logger.info(
@@ -419,6 +427,14 @@ class _Registration:
             if release and not held:
                 await cache.request(entity_id)
 
+    async def release(self, body: Mapping[str, Any]) -> None:
+        """The object left the shards this replica's stream carries: forget it, silently."""
+        cache = self.cache
+        metadata = body.get("metadata") or {}
+        name, namespace = metadata.get("name"), metadata.get("namespace")
+        if cache is not None and name:
+            cache.release(f"{namespace}/{name}" if namespace else str(name), body)
+
     def watches(self, key: tuple[str, str], version: str | None = None) -> bool:
         """Whether this reconciler watches resource ``key`` (at ``version``, when given)."""
         o = self.options
@@ -445,6 +461,10 @@ class _Registration:
         if req.entity_id == RESYNC_ALL:
             cache.request_resync()
             return None
+        if self.shard_watch is not None:
+            # Not before this replica's cache holds the shard (listed after a takeover): an
+            # object not listed yet must not look deleted.
+            await self.shard_watch.until_covered(self.options.shards.shard_of(req.entity_id))
         with serving(cache), serving_related(related, cache), serving_client(client):
             if self.finalizing is None:
                 return await self.fn(req)  # the Loop checks what it returns
@@ -612,6 +632,7 @@ def reconciler(
     generation_changed: bool = False,
     shards: int = 1,
     shard_by_namespace: bool = False,
+    watch_all_shards: bool = False,
     owns: Iterable[Owns | tuple[str, str, str]] | None = None,
     watches: Iterable[Watches] | None = None,
     finalizer: bool | str | None = None,
@@ -657,7 +678,11 @@ def reconciler(
       own (``<reconciler_id>-shard-<k>``) and fenced in a scope of its own, so several
       replicas reconcile at once (default 1: one leader; see
       :mod:`kopf_reconcile.sharded_loop`); ``shard_by_namespace``: assign whole
-      namespaces to shards instead of single objects. Needs a leader.
+      namespaces to shards instead of single objects: each replica then watches only the
+      shards it leads, selected by the API server where it supports KEP-5866 (see
+      :mod:`kopf_reconcile.integration.shard_watch`), unless ``watch_all_shards=True``
+      (a warm standby of every shard, and deletions seen by followers, for the memory of
+      every object in every replica). Needs a leader.
     * ``owns``: child resources (``kr.Owns(group, version, plural, labels=...)`` or a
       ``(group, version, plural)`` tuple): an event of an object whose controller owner
       reference points to a reconciled object reconciles that object; ``kr.owned(req)``
@@ -688,6 +713,8 @@ def reconciler(
     if not isinstance(generation_changed, bool):
         raise ConfigError(f"generation_changed must be True or False, got {generation_changed!r}")
     assignment = ShardAssignment(validate_shards(shards), shard_by_namespace)
+    if not isinstance(watch_all_shards, bool):
+        raise ConfigError(f"watch_all_shards must be True or False, got {watch_all_shards!r}")
     related = parse_related(owns, watches, (group, plural))
     if assignment.shards > 1 and leader is None:
         raise ConfigError(
@@ -745,6 +772,7 @@ def reconciler(
             generation_changed=generation_changed,
             ambiguous=reconciler_id is None and is_generic_name(controller),
             shards=assignment,
+            watch_all_shards=watch_all_shards,
             related=related,
             finalizer=finalizer_name(finalizer, group, rid),
         )

@@ -34,7 +34,7 @@ keeps just that: apiVersion, kind, name, namespace and uid.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from kopf_reconcile.cache import compact_body, restored_body
@@ -80,6 +80,26 @@ class ListingTracker:
         self._listing = None
         missing = [uid for uid in self._live if uid not in listing]
         return [{"type": "DELETED", "object": _restored(self._live.pop(uid))} for uid in missing]
+
+    def listed_within(
+        self, selected: Callable[[Mapping[str, Any]], bool]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """As :meth:`listed`, for a stream whose selection just changed: a known object
+        ``selected`` rejects is *released* (returned apart, with its last body: it left
+        the selection, it was not deleted), whether the listing held it or not."""
+        listing = self._listing if self._listing is not None else set()
+        self._listing = None
+        deleted, released = [], []
+        for uid in list(self._live):
+            body = _restored(self._live[uid])
+            if not selected(body):
+                released.append(body)
+            elif uid not in listing:
+                deleted.append({"type": "DELETED", "object": body})
+            else:
+                continue
+            del self._live[uid]
+        return deleted, released
 
     def _kept(self, body: Mapping[str, Any]) -> object:
         if not self._whole_bodies:

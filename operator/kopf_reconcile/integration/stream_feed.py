@@ -13,7 +13,10 @@ watches; after a 410 it lists again. Its watcher reads the stream from
   bypassed: kopf's own observers read those streams;
 * once a listing is complete it inserts, before the marker, a DELETED event for each
   object the stream knew that the listing lacks (an object deleted during a 410 gap),
-  as client-go's informers do (:mod:`~kopf_reconcile.integration.relisting`).
+  as client-go's informers do (:mod:`~kopf_reconcile.integration.relisting`);
+* a stream that feeds only reconcilers sharded by namespace ranges carries only the
+  shards they lead, selected by the API server where it can
+  (:mod:`~kopf_reconcile.integration.shard_watch`).
 
 The reconcilers are the shim's registrations (:class:`FedReconciler`, the protocol they
 meet here).
@@ -23,13 +26,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeAlias
 
 from kopf_reconcile.integration import kopf_internals
 from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX
 from kopf_reconcile.integration.relisting import ListingTracker
+from kopf_reconcile.integration.shard_watch import ShardWatch, narrowed_stream
 
 __all__ = ["FedReconciler", "Feeder", "install_stream_feed"]
 
@@ -44,10 +49,12 @@ class FedReconciler(Protocol):
     settings: object | None  # the kopf settings of the operator that started it
     registry: Any  # its kopf registry
     feeding_streams: collections.Counter[tuple[str, str]]
+    shard_watch: ShardWatch | None  # set when its streams may carry only its led shards
 
     def watches(self, key: tuple[str, str], version: str | None = None) -> bool: ...
     def maps(self, key: tuple[str, str]) -> bool: ...
     def feeder(self, key: tuple[str, str]) -> Feeder: ...
+    async def release(self, body: Mapping[str, Any]) -> None: ...
 
 
 def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) -> None:
@@ -68,9 +75,15 @@ def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) ->
     async def infinite_watch(
         *, resource: Any, settings: Any = None, **kwargs: Any
     ) -> AsyncIterator[Any]:
-        stream = original(resource=resource, settings=settings, **kwargs)
         key = (resource.group, resource.plural)
         reconcilers = [r for r in registrations() if r.watches(key)]
+        if not reconcilers:
+            async with contextlib.aclosing(
+                original(resource=resource, settings=settings, **kwargs)
+            ) as stream:
+                async for item in stream:
+                    yield item
+            return
         # The reconcilers of the operator running this stream, started: fed from here.
         # Not on the streams kopf's own observers read (namespaces for a namespace glob,
         # CRDs for resources that appear later): those must reach kopf whole, so there
@@ -86,17 +99,41 @@ def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) ->
         feeders = [r.feeder(key) for r in fed]
         # Without other kopf handlers of the resource, kopf need not see the events at all.
         alone = bool(fed) and not any(_kopf_handles(r.registry, resource) for r in fed)
-        async with contextlib.aclosing(stream):
-            if not reconcilers:
-                async for item in stream:
+        # Kept for the sweep: the last bodies for kopf's handlers and map_to functions,
+        # else identities only (a child's owner is then read from its cached body).
+        tracker = ListingTracker(whole_bodies=not alone or any(r.maps(key) for r in fed))
+        watches = [r.shard_watch for r in fed if r.shard_watch is not None]
+        narrowed = (
+            alone
+            and len(watches) == len(fed)
+            and getattr(resource, "namespaced", False) is True
+            and not kopf_internals.shard_selector_of(settings, resource)
+        )
+        for registration in fed:
+            registration.feeding_streams[key] += 1
+        try:
+            if narrowed:
+
+                def open_stream(selector: str) -> AsyncGenerator[Any, None]:
+                    narrow = kopf_internals.with_shard_selector(settings, selector)
+                    return original(resource=resource, settings=narrow, **kwargs)  # type: ignore[no-any-return]
+
+                async def release(body: Mapping[str, Any]) -> None:
+                    for registration in fed:
+                        await registration.release(body)
+
+                async for item in narrowed_stream(
+                    open_stream,
+                    watches,
+                    listed_marker=listed_marker,
+                    tracker=tracker,
+                    feed=functools.partial(_feed, feeders),
+                    release=release,
+                ):
                     yield item
                 return
-            # Kept for the sweep: the last bodies for kopf's handlers and map_to functions,
-            # else identities only (a child's owner is then read from its cached body).
-            tracker = ListingTracker(whole_bodies=not alone or any(r.maps(key) for r in fed))
-            for registration in fed:
-                registration.feeding_streams[key] += 1
-            try:
+            stream = original(resource=resource, settings=settings, **kwargs)
+            async with contextlib.aclosing(stream):
                 async for item in stream:
                     if item is listed_marker:
                         for deleted in tracker.listed():
@@ -109,9 +146,9 @@ def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) ->
                         if alone:
                             continue
                     yield item
-            finally:
-                for registration in fed:
-                    registration.feeding_streams[key] -= 1
+        finally:
+            for registration in fed:
+                registration.feeding_streams[key] -= 1
 
     kopf_internals.replace_infinite_watch(infinite_watch, original)
 

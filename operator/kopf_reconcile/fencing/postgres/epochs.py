@@ -130,11 +130,7 @@ class EpochRecording(RepositoryBase):
                         f"{reshard_hint(layout.base_scope, layout.assignment)}"
                     )
             before = await connection.fetchval(self._led_before_sql, self._scope)
-            qualified = (
-                None
-                if layout is None
-                else shard_scope_lease(lease, layout.assignment)
-            )
+            qualified = None if layout is None else shard_scope_lease(lease, layout.assignment)
             row = await connection.fetchrow(
                 self._record_sql, self._scope, epoch, lease, holder, qualified
             )

@@ -225,8 +225,7 @@ class ShardLayouts(EpochRecording):
         count = max(current.shards, target.shards)
         shard_scopes = [shard_id(base, k) for k in range(count)] if count > 1 else []
         leases = [
-            shard_scope_lease(shard_id(reconciler_id, k), target)
-            for k in range(len(shard_scopes))
+            shard_scope_lease(shard_id(reconciler_id, k), target) for k in range(len(shard_scopes))
         ]
         # Every shard scope gets a row to lock (and to fence), then all are locked in
         # scope order, the one order of every transaction that locks several (redrive

@@ -1,0 +1,26 @@
+"""A reconciler of the ConfigMaps labelled ``app=ns-sharded``, in 4 shards by namespace.
+
+Its reconciler id comes from ``SHARDED_RECONCILER_ID`` (one per test); each reconcile
+prints ``reconcile <entity id> live`` or ``reconcile <entity id> gone``. With
+``WATCH_ALL_SHARDS=1`` every replica watches every shard.
+"""
+
+from __future__ import annotations
+
+import os
+
+import kopf_reconcile as kr
+
+
+@kr.reconciler(
+    "", "v1", "configmaps",
+    tenancy=kr.Tenancy.TENANT_SCOPED,
+    reconciler_id=os.environ["SHARDED_RECONCILER_ID"],
+    labels={"app": "ns-sharded"},
+    shards=4,
+    shard_by_namespace=True,
+    watch_all_shards=os.environ.get("WATCH_ALL_SHARDS") == "1",
+)  # fmt: skip
+async def reconcile_by_namespace(req: kr.Request) -> None:
+    state = "gone" if kr.cached(req) is None else "live"
+    print(f"reconcile {req.entity_id} {state}", flush=True)
