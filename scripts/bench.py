@@ -61,6 +61,7 @@ PLAN = [
     Benchmark("cluster", ["--requests", "20000"], 180),
     Benchmark("sharded_throughput", ["--runs", "2"], 300),
     Benchmark("sharded_lists", ["--objects", "10000"], 300),
+    Benchmark("sharded_replicas", ["--objects", "10000", "30000"], 900),  # the real tier
     Benchmark("side_by_side", ["--runs", "1", "--default-runs", "1", "--rounds", "2"], 420),
 ]
 

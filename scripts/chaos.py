@@ -1,7 +1,8 @@
 """Process chaos for ``make chaos``: replicas of the example operator under a seeded nemesis.
 
 Runs :mod:`kopf_reconcile.testing.chaos` (``--seed``, ``--duration``,
-``--replicas``, ``--elector``, ``--devices``, ``--rate``, ``--shards``, ``--keep``; see
+``--replicas``, ``--elector``, ``--devices``, ``--rate``, ``--shards``, ``--by-namespace``,
+``--keep``; see
 ``--help``) and exits non-zero if any invariant broke.
 """
 

@@ -76,6 +76,9 @@ def _shards() -> int:
 # Shards of the Devices (1 by default: one leader). With N > 1 each shard is led under a
 # lease of its own, so the replicas share the work (``kopf-reconcile demo --shards 8``).
 SHARDS = _shards()
+# With DEVICES_SHARD_BY_NAMESPACE=1 a namespace's Devices share a shard, and each replica
+# watches only the namespaces of the shards it leads.
+SHARD_BY_NAMESPACE = SHARDS > 1 and os.environ.get("DEVICES_SHARD_BY_NAMESPACE") == "1"
 
 
 @kr.reconciler(
@@ -86,6 +89,7 @@ SHARDS = _shards()
     concurrency=8,
     generation_changed=True,  # our own status patches do not trigger us again
     shards=SHARDS,
+    shard_by_namespace=SHARD_BY_NAMESPACE,
 )
 async def reconcile_device(req: kr.Request) -> kr.Result | None:
     body = kr.cached(req)

@@ -27,7 +27,7 @@ import pytest_asyncio
 from operator_e2e import MERGE, OPERATORS, Operator, Operators
 
 from kopf_reconcile.sharding import ShardAssignment
-from kopf_reconcile.testing import EmbeddedCluster, install_fence
+from kopf_reconcile.testing import install_fence
 from kopf_reconcile.testing.real_apiserver import RealCluster
 from support import eventually, start_tier
 
@@ -92,31 +92,26 @@ async def test_each_replica_watches_only_the_shards_it_leads(
     await shards_follow_leadership(operators, http, kube_namespace, env, server_filters=True)
 
 
-@pytest_asyncio.fixture(params=["embedded", pytest.param("real", marks=pytest.mark.real_apiserver)])
-async def gate_off(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
-    """An API server without the gate (the embedded one told so, or a real one with its
-    defaults), with the fence installed as the chart does."""
-    if request.param == "embedded":
-        cluster: Any = EmbeddedCluster(sharded_list_and_watch=False)
-        await cluster.__aenter__()
-    else:
-        cluster = await start_tier(
-            RealCluster(feature_flags=[]),
-            "real kube-apiserver tier without feature gates",
-            "KOPF_RECONCILE_SKIP_REAL_APISERVER",
-        )
+@pytest_asyncio.fixture
+async def gate_off() -> AsyncIterator[RealCluster]:
+    """A real API server without the gate (its defaults), with the fence installed as the
+    chart does. (The embedded API without the gate is the unit tests' scripted server.)"""
+    cluster = await start_tier(
+        RealCluster(feature_flags=[]),
+        "real kube-apiserver tier without feature gates",
+        "KOPF_RECONCILE_SKIP_REAL_APISERVER",
+    )
     try:
         async with cluster.http_session() as http:
             await install_fence(http, "default")
         yield cluster
     finally:
-        await (
-            cluster.__aexit__(None, None, None) if request.param == "embedded" else cluster.stop()
-        )
+        await cluster.stop()
 
 
+@pytest.mark.real_apiserver
 async def test_without_the_gate_each_replica_filters_its_shards_itself(
-    gate_off: Any, env: dict[str, str]
+    gate_off: RealCluster, env: dict[str, str]
 ) -> None:
     operators = Operators(gate_off.kubeconfig, "default")
     try:
@@ -191,6 +186,7 @@ async def shards_follow_leadership(
     assert not first.lines(" gone"), first.text  # nothing unlisted was taken for deleted
 
 
+@pytest.mark.parametrize("kube", ["embedded"], indirect=True)
 async def test_with_watch_all_shards_every_replica_holds_every_object(
     operators: Operators, http: aiohttp.ClientSession, kube_namespace: str, env: dict[str, str]
 ) -> None:

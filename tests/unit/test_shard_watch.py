@@ -88,7 +88,7 @@ async def test_the_stream_follows_the_led_shards(filters: bool) -> None:
 
     async def consume() -> None:
         async for _ in narrowed_stream(
-            server.open, [watch], listed_marker=LISTED, tracker=ListingTracker(),
+            server.open, [watch], resource="things", listed_marker=LISTED, tracker=ListingTracker(),
             feed=feed, release=release,
         ):  # fmt: skip
             pass

@@ -62,6 +62,7 @@ class ShardWatch:
         if not assignment.server_selectable:
             raise ValueError(f"the API server cannot select the shards of {assignment!r}")
         self.assignment = assignment
+        self.reconciler_id = reconciler_id
         self._leases = {shard_id(reconciler_id, k): k for k in range(assignment.shards)}
         self._led: frozenset[int] = frozenset()
         self._covered: dict[object, frozenset[int]] = {}  # stream -> what its listing holds
@@ -132,6 +133,7 @@ async def narrowed_stream(
     open_stream: Callable[[str], AsyncGenerator[Any, None]],
     watches: list[ShardWatch],
     *,
+    resource: str,
     listed_marker: object,
     tracker: ListingTracker,
     feed: Callable[[Event], Awaitable[None]],
@@ -163,6 +165,12 @@ async def narrowed_stream(
                     continue
 
                 selected = functools.partial(_selected, led)
+                logger.info(
+                    "the watch of %s carries shards %s (shardSelector %s)",
+                    resource,
+                    ", ".join(f"{sorted(led[w])} of {w.reconciler_id}" for w in watches),
+                    selector,
+                )
                 async with contextlib.aclosing(open_stream(selector)) as stream:
                     async for item in _until(stream, changed):
                         if item is listed_marker:

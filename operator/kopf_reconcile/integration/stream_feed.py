@@ -125,6 +125,7 @@ def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) ->
                 async for item in narrowed_stream(
                     open_stream,
                     watches,
+                    resource="/".join(filter(None, key)),
                     listed_marker=listed_marker,
                     tracker=tracker,
                     feed=functools.partial(_feed, feeders),

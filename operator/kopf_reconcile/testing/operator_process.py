@@ -71,7 +71,8 @@ def free_port() -> int:
 
 
 class OperatorProcess:
-    """``kopf-reconcile run HANDLERS --namespace NAMESPACE`` as a child process."""
+    """``kopf-reconcile run HANDLERS --namespace NAMESPACE`` as a child process
+    (``namespace=None``: ``--all-namespaces``)."""
 
     def __init__(
         self,
@@ -79,7 +80,7 @@ class OperatorProcess:
         *,
         kubeconfig: str | os.PathLike[str],
         database_url: str | None = None,
-        namespace: str = "default",
+        namespace: str | None = "default",
         env: Mapping[str, str] | None = None,
         startup_timeout: float = 60.0,
         stop_timeout: float = 30.0,
@@ -111,6 +112,11 @@ class OperatorProcess:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     @property
+    def pid(self) -> int | None:
+        """Its process id once started (for figures read from ``/proc``)."""
+        return None if self._process is None else self._process.pid
+
+    @property
     def returncode(self) -> int | None:
         return None if self._process is None else self._process.returncode
 
@@ -132,7 +138,7 @@ class OperatorProcess:
         with self.log.open("wb") as log:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kopf_reconcile", "run", str(self.handlers),
-                f"--namespace={self.namespace}",
+                "--all-namespaces" if self.namespace is None else f"--namespace={self.namespace}",
                 env=environment, stdout=log, stderr=asyncio.subprocess.STDOUT,
             )  # fmt: skip
         try:

@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="shards of the Devices (default 1: unsharded); > 1 adds joins and leaves",
     )
+    parser.add_argument(
+        "--by-namespace",
+        action="store_true",
+        help="with --shards: the Devices in one namespace per shard, sharded by namespace "
+        "(each replica watches only the shards it leads)",
+    )
     parser.add_argument("--ttl", type=int, default=3, help="lease TTL, whole seconds (default 3)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory and logs")
     parser.add_argument("--handlers", type=Path, help="the operator (default: the example)")
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             keep=args.keep,
             handlers=args.handlers,
             shards=args.shards,
+            by_namespace=args.by_namespace,
         )
         try:
             report = asyncio.run(run(options, out=lambda line: print(line, flush=True)))
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"invariant broken with {o.elector} leases: replay the schedule with "
                 f"--seed {o.seed} --elector {o.elector} --tier {o.tier}"
                 + (f" --shards {o.shards}" if o.shards > 1 else "")
+                + (" --by-namespace" if o.by_namespace else "")
             )
     return 0 if all(r.ok() for r in reports) else 1
 

@@ -34,7 +34,7 @@ from kopf_reconcile.testing.chaos.leadership import (
 )
 from kopf_reconcile.testing.chaos.reconciles import Span, overlaps, spans
 from kopf_reconcile.testing.chaos.stage import (
-    DEVICES_PATH,
+    ALL_DEVICES_PATH,
     HTTP_TIMEOUT,
     NAMESPACE,
     PAUSE_GRACE,
@@ -42,6 +42,9 @@ from kopf_reconcile.testing.chaos.stage import (
     ChaosError,
     Stage,
 )
+
+# What a replica logs when its watch starts carrying the shards it leads (shard_watch).
+NARROWED_WATCH = "carries shards"
 
 
 class Checks(Stage):
@@ -99,6 +102,11 @@ class Checks(Stage):
             )
         self.report.reconciles = len(inside)
         self.report.reconcile_overlaps = overlaps(inside, self._origin)
+        # By namespace: how often a replica's watch started again for the shards it led.
+        self.report.narrowed_watches = sum(
+            log.read_text(errors="replace").count(NARROWED_WATCH)
+            for log in self.workdir.glob("replica-*.log")
+        )
 
     async def _check_scope(self, scope: str, deadline: float) -> None:
         """The invariants of one fencing scope and its lease (one shard's, when sharded)."""
@@ -166,7 +174,7 @@ class Checks(Stage):
     async def _unconverged(self) -> list[str]:
         """Devices whose fenced state or status does not match their spec (and generation)."""
         try:
-            listing = await self._api("GET", DEVICES_PATH)
+            listing = await self._api("GET", ALL_DEVICES_PATH)
             connection = await asyncpg.connect(self.dsn, timeout=HTTP_TIMEOUT)
         except (ChaosError, aiohttp.ClientError, OSError, asyncpg.PostgresError, TimeoutError):
             return ["(API or database not reachable)"]
@@ -181,7 +189,7 @@ class Checks(Stage):
         states = {(r["scope"], r["entity_id"]): json.loads(r["state"] or "{}") for r in rows}
         lost = []
         for item in listing["items"]:
-            entity = f"{NAMESPACE}/{item['metadata']['name']}"
+            entity = f"{item['metadata']['namespace']}/{item['metadata']['name']}"
             want, generation = item["spec"]["desired"], item["metadata"]["generation"]
             status = item.get("status") or {}
             state = states.get((self._scope_of(entity), entity)) or {}

@@ -63,7 +63,6 @@ from kopf_reconcile.testing.chaos.nemesis import Nemesis
 from kopf_reconcile.testing.chaos.proxy import PartitionProxy
 from kopf_reconcile.testing.chaos.report import Options, Report
 from kopf_reconcile.testing.chaos.stage import (
-    DEVICES_PATH,
     ELECTORS,
     GROUP,
     NAMESPACE,
@@ -76,6 +75,7 @@ from kopf_reconcile.testing.chaos.stage import (
     ChaosError,
     RestartableRealCluster,
     Slot,
+    devices_path,
     dying_with_parent,
 )
 from kopf_reconcile.testing.postgres import EmbeddedPostgres
@@ -210,9 +210,14 @@ class Chaos(Nemesis, Checks):
         binding_body = binding(name, name, NAMESPACE)
         await self._api("POST", f"{admission}/validatingadmissionpolicybindings", binding_body)
 
+        for namespace in self.device_namespaces:
+            if namespace != NAMESPACE:
+                body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+                await self._api("POST", "/api/v1/namespaces", body)
+
         async def served() -> bool:  # a real API server serves a new CRD a moment later
             try:
-                await self._api("GET", DEVICES_PATH)
+                await self._api("GET", devices_path(NAMESPACE))
             except ChaosError:
                 return False
             return True
@@ -221,14 +226,15 @@ class Chaos(Nemesis, Checks):
         limit = asyncio.Semaphore(16)
 
         async def create(index: int) -> None:
+            namespace, name = self.device(index)
             body = {
                 "apiVersion": f"{GROUP}/{VERSION}",
                 "kind": "Device",
-                "metadata": {"name": f"device-{index:04d}"},
+                "metadata": {"name": name},
                 "spec": {"desired": self.workload.choice(STATES)},
             }
             async with limit:
-                await self._api("POST", DEVICES_PATH, body)
+                await self._api("POST", devices_path(namespace), body)
 
         await asyncio.gather(*(create(i) for i in range(self.options.devices)))
         self.say(f"created {self.options.devices} Devices")

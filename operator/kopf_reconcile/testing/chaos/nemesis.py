@@ -31,7 +31,6 @@ from kopf_reconcile.integration.fence_policy import (
 )
 from kopf_reconcile.testing.chaos.stage import (
     API_FAULT_TARGETS,
-    DEVICES_PATH,
     HTTP_TIMEOUT,
     NAMESPACE,
     SCOPE,
@@ -40,6 +39,7 @@ from kopf_reconcile.testing.chaos.stage import (
     ChaosError,
     Slot,
     Stage,
+    devices_path,
 )
 
 
@@ -401,7 +401,7 @@ class Nemesis(Stage):
         index = self.rng.randrange(self.options.devices)
         if self._postgres_down:
             return
-        entity = f"{NAMESPACE}/device-{index:04d}"
+        entity = "/".join(self.device(index))
         scope = self._scope_of(entity)
         try:
             async with asyncio.timeout(HTTP_TIMEOUT):
@@ -446,11 +446,11 @@ class Nemesis(Stage):
             identity = Identity(info["username"], tuple(info.get("groups", ())))
             extras = {LEASE_EXTRA: f"{NAMESPACE}/{scope}", HOLDER_EXTRA: holder}
             headers = identity.headers({**extras, EPOCH_EXTRA: str(epoch - 1)})
-            name = entity.split("/", 1)[1]
+            namespace, name = entity.split("/", 1)
             patch = {"status": {"observed": "zombie"}}
             await self._api(
                 "PATCH",
-                f"{DEVICES_PATH}/{name}/status",
+                f"{devices_path(namespace)}/{name}/status",
                 patch,
                 "application/merge-patch+json",
                 extra_headers=headers,
@@ -477,7 +477,7 @@ class Nemesis(Stage):
             desired = self.workload.choice(STATES)
             patch = [{"op": "replace", "path": "/spec/desired", "value": desired}]
             try:
-                await self._api("PATCH", f"{DEVICES_PATH}/device-{index:04d}", patch,
+                await self._api("PATCH", self.device_path(index), patch,
                                 content_type="application/json-patch+json")  # fmt: skip
             except (ChaosError, aiohttp.ClientError, OSError, TimeoutError):
                 self.report.counts["spec_change_failed"] += 1

@@ -24,6 +24,9 @@ class Options:
     keep: bool = False
     handlers: Path | None = None
     shards: int = 1  # > 1: the example runs sharded; replicas also join and leave
+    # Sharded by namespace: the Devices in one namespace per shard, each replica watching
+    # only the shards it leads (a takeover lists its shard first).
+    by_namespace: bool = False
 
 
 @dataclasses.dataclass
@@ -48,6 +51,7 @@ class Report:
     overlap: list[str] = dataclasses.field(default_factory=list)
     reconciles: int = 0
     handoffs: int = 0  # shards handed off for balance, by any replica (their reports)
+    narrowed_watches: int = 0  # by namespace: watch starts for the shards a replica led
     # Two processes inside one reconciler's (one shard's) reconcile of one entity at once.
     reconcile_overlaps: list[str] = dataclasses.field(default_factory=list)
     # Per scope (one per shard when sharded): epochs led by two holders.
@@ -162,6 +166,17 @@ class Report:
                 f"{c['handoff']} after a join, {c['handoff_strike']} struck during one",
             ),
             ("spec changes", c["spec_change"], f"{c['spec_change_failed']} failed (faults)"),
+            *(
+                [
+                    (
+                        "narrowed watch starts",
+                        self.narrowed_watches,
+                        "a list of the shards then led, at each change of them",
+                    )
+                ]
+                if o.by_namespace
+                else []
+            ),
             (
                 "failovers",
                 self.failovers,
@@ -218,7 +233,11 @@ class Report:
                 "must be 0 (never below the last leadership's; recorded in the fence first)",
             ),
         ]
-        sharding = f"{o.shards} shards, " if o.shards > 1 else ""
+        sharding = (
+            f"{o.shards} shards{' by namespace' if o.by_namespace else ''}, "
+            if o.shards > 1
+            else ""
+        )
         head = (
             f"Process chaos: seed {o.seed}, {self.chaos_seconds:.0f}s of chaos, "
             f"{o.replicas} replicas, {sharding}{o.elector} leases, {o.tier} API server, "

@@ -37,7 +37,7 @@ GROUP, VERSION, PLURAL = "example.com", "v1", "devices"
 NAMESPACE = "default"
 SCOPE = "devices.example.com-reconcile-device"  # the example's reconciler id
 STATES = ("on", "off", "standby")
-DEVICES_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}"
+ALL_DEVICES_PATH = f"/apis/{GROUP}/{VERSION}/{PLURAL}"  # in every namespace
 ELECTORS = ("kubernetes", "postgres")
 TIERS = ("embedded", "real")
 START_TIMEOUT = 60.0
@@ -51,9 +51,14 @@ PAUSE_GRACE = 1.5
 API_FAULT_TARGETS = (
     ("PUT", r"/apis/coordination\.k8s\.io/v1/namespaces/[^/]+/leases/[^/]+"),
     ("GET", r"/apis/coordination\.k8s\.io/v1/namespaces/[^/]+/leases/[^/]+"),
-    ("PATCH", rf"{DEVICES_PATH}/[^/]+/status"),
+    ("PATCH", rf"/apis/{GROUP}/{VERSION}/namespaces/[^/]+/{PLURAL}/[^/]+/status"),
     ("GET", rf"/apis/{GROUP}/{VERSION}(/namespaces/[^/]+)?/{PLURAL}"),
 )
+
+
+def devices_path(namespace: str) -> str:
+    """The Devices of ``namespace``."""
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
 
 
 class ChaosError(RuntimeError):
@@ -133,9 +138,21 @@ class Stage:
         self.workload = random.Random(f"workload-{options.seed}")
         if options.shards < 1:
             raise ChaosError(f"shards must be at least 1, got {options.shards}")
+        if options.by_namespace and options.shards < 2:
+            raise ChaosError("by_namespace needs shards of at least 2")
         self.report = Report(options)
         self.sharded = options.shards > 1
-        self.assignment = ShardAssignment(options.shards)
+        self.assignment = ShardAssignment(options.shards, options.by_namespace)
+        # The Devices' namespaces: by namespace one per shard (chaos-<i>, the first names
+        # falling in each shard), else the one namespace.
+        self.device_namespaces = [NAMESPACE]
+        if options.by_namespace:
+            first: dict[int, str] = {}
+            i = 0
+            while len(first) < options.shards:
+                first.setdefault(self.assignment.shard_of(f"chaos-{i}/x"), f"chaos-{i}")
+                i += 1
+            self.device_namespaces = [first[k] for k in range(options.shards)]
         self.scopes = (
             tuple(shard_id(SCOPE, k) for k in range(options.shards)) if self.sharded else (SCOPE,)
         )
@@ -162,6 +179,16 @@ class Stage:
         self._partitioned = False
         self._chaos_on = False
         self._changing = False
+
+    # -- the Devices ---------------------------------------------------------------------
+
+    def device(self, index: int) -> tuple[str, str]:
+        """Device ``index``'s namespace and name (spread over the Devices' namespaces)."""
+        return self.device_namespaces[index % len(self.device_namespaces)], f"device-{index:04d}"
+
+    def device_path(self, index: int) -> str:
+        namespace, name = self.device(index)
+        return f"{devices_path(namespace)}/{name}"
 
     # -- the run ---------------------------------------------------------------------
 
@@ -191,9 +218,11 @@ class Stage:
             "KOPF_RECONCILE_STOP_TIMEOUT": "2",
             "DEVICES_WORK_DELAY": str(o.work_delay),
             "DEVICES_SHARDS": str(o.shards),
+            "DEVICES_SHARD_BY_NAMESPACE": "1" if o.by_namespace else "0",
         }
+        watched = [f"--namespace={namespace}" for namespace in self.device_namespaces]
         argv = [sys.executable, "-m", "kopf_reconcile.testing.chaos.replica", str(history.events),
-                "--", "run", str(self.handlers), f"--namespace={NAMESPACE}", "--standalone",
+                "--", "run", str(self.handlers), *watched, "--standalone",
                 "--metrics-port", str(slot.port), "--log-format", "json"]  # fmt: skip
         slot.process = await asyncio.create_subprocess_exec(
             *dying_with_parent(argv),
