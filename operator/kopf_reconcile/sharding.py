@@ -26,6 +26,7 @@ reconciler keeps its own lease name and scope.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 from kopf_reconcile.api import ConfigError
@@ -96,6 +97,12 @@ def range_of(value: str, shards: int) -> int:
     return fnv1a_64(value.encode("utf-8", "surrogatepass")) * shards // HASH_SPACE
 
 
+@functools.lru_cache(maxsize=65536)
+def _range_of_namespace(namespace: str, shards: int) -> int:
+    """:func:`range_of`, remembered: a cluster has few namespaces, each seen in every event."""
+    return range_of(namespace, shards)
+
+
 def shard_selector(field: str, ranges: list[tuple[int, int]]) -> str:
     """The ``shardSelector`` of KEP-5866 (kube-apiserver 1.36+, gate ``ShardedListAndWatch``)
     selecting ``ranges`` of ``field``'s hash, in the server's canonical form: its list echoes
@@ -150,8 +157,14 @@ class ShardAssignment:
             return 0
         key = self.key(entity_id)
         if self.by_namespace and not self.namespace_modulo:
-            return range_of(key, self.shards)
+            return _range_of_namespace(key, self.shards)
         return fnv1a_64(key.encode("utf-8", "surrogatepass")) % self.shards
+
+    def shard_of_namespace(self, namespace: str) -> int:
+        """The shard of the objects of ``namespace`` (by namespace ranges only)."""
+        if not self.server_selectable:
+            raise ValueError(f"{self!r} does not assign shards by namespace ranges")
+        return _range_of_namespace(namespace, self.shards)
 
     @property
     def server_selectable(self) -> bool:

@@ -42,7 +42,7 @@ from typing import Any
 
 from kopf_reconcile.control.holding import LeadershipChange, LeaseHolder
 from kopf_reconcile.integration.relisting import ListingTracker
-from kopf_reconcile.sharding import ShardAssignment, range_of, shard_id
+from kopf_reconcile.sharding import ShardAssignment, shard_id
 
 __all__ = ["ShardWatch", "narrowed_stream"]
 
@@ -99,7 +99,7 @@ class ShardWatch:
         namespace = metadata.get("namespace") if isinstance(metadata, Mapping) else None
         if not isinstance(namespace, str):
             return False
-        return range_of(namespace, self.assignment.shards) in led
+        return self.assignment.shard_of_namespace(namespace) in led
 
     def covers(self, shard: int) -> bool:
         """Whether every stream of the reconciler has listed ``shard`` completely."""
@@ -147,7 +147,6 @@ async def narrowed_stream(
     fed reconcilers'.
     """
     stream_key = object()
-    warned = False
     try:
         while True:
             led = {w: w.led() for w in watches}
@@ -172,26 +171,26 @@ async def narrowed_stream(
                     selector,
                 )
                 async with contextlib.aclosing(open_stream(selector)) as stream:
-                    async for item in _until(stream, changed):
-                        if item is listed_marker:
-                            await _sweep(tracker, selected, feed, release)
-                            for w in watches:
-                                w.stream_covers(stream_key, led[w])
+                    passed: asyncio.Queue[Any] = asyncio.Queue()
+                    covered = functools.partial(_all_cover, watches, stream_key, led)
+                    pump = asyncio.ensure_future(
+                        _pump(
+                            stream,
+                            passed,
+                            listed_marker=listed_marker,
+                            selected=selected,
+                            covered=covered,
+                            tracker=tracker,
+                            feed=feed,
+                            release=release,
+                        )
+                    )
+                    try:
+                        async for item in _passed(passed, pump, changed):
                             yield item
-                        elif isinstance(item, Mapping):
-                            if not selected(item.get("object")):
-                                if not warned and item.get("type") != "BOOKMARK":
-                                    warned = True
-                                    logger.info(
-                                        "the API server does not filter by shard (%s): "
-                                        "objects of other shards are dropped here",
-                                        selector,
-                                    )
-                                continue
-                            tracker.observe(item)
-                            await feed(item)
-                        else:
-                            yield item
+                    finally:
+                        pump.cancel()
+                        await asyncio.gather(pump, return_exceptions=True)
             finally:
                 changed.cancel()
     finally:
@@ -233,19 +232,69 @@ async def _any_change(watches: list[ShardWatch], led: dict[ShardWatch, frozenset
     await asyncio.sleep(SETTLE_SECONDS)
 
 
-async def _until(stream: AsyncIterator[Any], stop: asyncio.Future[None]) -> AsyncIterator[Any]:
-    """The items of ``stream`` until it ends or ``stop`` is done (the step in flight is
-    cancelled then)."""
-    while not stop.done():
-        step = asyncio.ensure_future(anext(stream))
-        await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if not step.done():
-            step.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await step
-            return
+_ENDED = object()  # the stream ended (what follows the last item a pump passes on)
+
+
+async def _pump(
+    stream: AsyncIterator[Any],
+    passed: asyncio.Queue[Any],
+    *,
+    listed_marker: object,
+    selected: Callable[[object], bool],
+    covered: Callable[[], None],
+    tracker: ListingTracker,
+    feed: Callable[[Event], Awaitable[None]],
+    release: Callable[[Mapping[str, Any]], Awaitable[None]],
+) -> None:
+    """Feed ``stream``'s events within the selection (one task for the whole stream, not
+    one per event); pass what goes on to kopf (the listing marker, once the listing is
+    swept and covered; what is not an event) into ``passed``."""
+    foreign = False
+    async for item in stream:
+        if item is listed_marker:
+            await _sweep(tracker, selected, feed, release)
+            covered()
+            passed.put_nowait(item)
+        elif isinstance(item, Mapping):
+            if not selected(item.get("object")):
+                if not foreign and item.get("type") != "BOOKMARK":
+                    foreign = True
+                    logger.info(
+                        "the API server does not filter by shard: objects of other shards "
+                        "are dropped here"
+                    )
+                continue
+            tracker.observe(item)
+            await feed(item)
+        else:
+            passed.put_nowait(item)
+    passed.put_nowait(_ENDED)
+
+
+async def _passed(
+    passed: asyncio.Queue[Any], pump: asyncio.Future[None], stop: asyncio.Future[None]
+) -> AsyncIterator[Any]:
+    """What the pump passes on, until its stream ends (its error raised) or ``stop`` is done."""
+    while True:
+        getter = asyncio.ensure_future(passed.get())
         try:
-            item = step.result()
-        except StopAsyncIteration:
-            return
-        yield item
+            await asyncio.wait({getter, pump, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            item = getter.result()
+            if item is _ENDED:
+                return
+            yield item
+        elif pump.done():
+            pump.result()  # what the stream raised, if it did; else _ENDED is queued
+        else:
+            return  # stopped
+
+
+def _all_cover(
+    watches: list[ShardWatch], stream: object, led: dict[ShardWatch, frozenset[int]]
+) -> None:
+    for w in watches:
+        w.stream_covers(stream, led[w])
