@@ -114,11 +114,15 @@ async def counts(cluster: Any) -> tuple[int, list[int]]:
 
 
 async def replica(
-    cluster: Any, dsn: str, *, shards: int, lead: int | None, expected: int
+    cluster: Any, postgres: EmbeddedPostgres, *, shards: int, lead: int | None, expected: int
 ) -> tuple[int, float]:
     """Run one replica until it leads ``lead`` (every shard when None) and caches
-    ``expected`` objects; its figures then."""
+    ``expected`` objects; its figures then. Each has a database of its own: the leases
+    and epochs of the replicas before it would make its lease listings longer."""
     rid = f"bench-{secrets.token_hex(3)}"
+    dsn = await postgres.create_database()
+    async with PostgresFencedRepository(dsn) as repository:
+        await repository.migrate()
     elsewhere = PostgresLeaseElector(dsn, holder_id="another-replica", ttl=600)
     try:
         if lead is not None:  # the other shards are led by other replicas
@@ -168,27 +172,24 @@ async def measure_size(gate: bool, size: int, runs: int, postgres: EmbeddedPostg
     async with RealCluster(feature_flags=flags) as cluster:
         async with cluster.http_session() as http:
             await install_fence(http, "default")
-        dsn = await postgres.create_database()
-        async with PostgresFencedRepository(dsn) as repository:
-            await repository.migrate()
         # The empty replicas go through the same startup and leadership as the others.
         total, per_shard = await counts(cluster)
         empty_sharded = await median_of(
-            runs, lambda: replica(cluster, dsn, shards=SHARDS, lead=0, expected=per_shard[0])
+            runs, lambda: replica(cluster, postgres, shards=SHARDS, lead=0, expected=per_shard[0])
         )
         empty_unsharded = await median_of(
-            runs, lambda: replica(cluster, dsn, shards=1, lead=None, expected=total)
+            runs, lambda: replica(cluster, postgres, shards=1, lead=None, expected=total)
         )
         await fill(cluster, shard_namespaces("bench"), size)
         total, per_shard = await counts(cluster)
         unsharded = await median_of(
-            runs, lambda: replica(cluster, dsn, shards=1, lead=None, expected=total)
+            runs, lambda: replica(cluster, postgres, shards=1, lead=None, expected=total)
         )
         sharded = [
             await median_of(
                 runs,
                 functools.partial(
-                    replica, cluster, dsn, shards=SHARDS, lead=k, expected=per_shard[k]
+                    replica, cluster, postgres, shards=SHARDS, lead=k, expected=per_shard[k]
                 ),
             )
             for k in range(SHARDS)

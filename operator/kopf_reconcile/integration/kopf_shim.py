@@ -259,6 +259,7 @@ class _Registration:
         self.settings = None
         config = process_settings.current()
         _standalone_unless_peering(settings)
+        _paged_lists(settings)
         o = self.options
         try:
             elector = await self._resolve("leader", o.leader, config.build_elector)
@@ -605,6 +606,18 @@ def _standalone_unless_peering(settings: kopf.OperatorSettings) -> None:
         "kopf peering is off (standalone): kopf-reconcile leases decide who reconciles; "
         "pass --peering to kopf to use peering as well"
     )
+
+
+# Objects per page of a list, as client-go's reflectors ask (kopf lists whole by default).
+LIST_PAGE = 500
+
+
+def _paged_lists(settings: kopf.OperatorSettings) -> None:
+    """List in pages unless the user chose (``settings.watching.chunk_size``): a whole list
+    is decoded at once, so it sets the replica's peak memory however few objects it keeps
+    (a shard's, when the server does not filter), and one page of it is enough."""
+    if settings.watching.chunk_size is None:
+        settings.watching.chunk_size = LIST_PAGE
 
 
 _registrations: list[_Registration] = []
