@@ -34,12 +34,13 @@ keeps just that: apiVersion, kind, name, namespace and uid.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from kopf_reconcile.cache import compact_body, restored_body
 
-__all__ = ["ListingTracker"]
+__all__ = ["ListingClock", "ListingTracker"]
 
 Event = Mapping[str, Any]
 
@@ -142,3 +143,31 @@ def _uid(body: object) -> str | None:
     metadata = body.get("metadata")
     uid = metadata.get("uid") if isinstance(metadata, Mapping) else None
     return uid if isinstance(uid, str) and uid else None
+
+
+class ListingClock:
+    """What a listing of one stream cost: its objects, and the wall and CPU seconds from
+    its start (the stream's start, else its first object) to its end, for one log line."""
+
+    def __init__(self) -> None:
+        self._started: tuple[float, float] | None = None
+        self._objects = 0
+
+    def start(self) -> None:
+        self._started = (time.monotonic(), time.process_time())
+        self._objects = 0
+
+    def observe(self, event: Event) -> None:
+        if event.get("type") is None and isinstance(event.get("object"), Mapping):
+            if self._started is None:
+                self.start()
+            self._objects += 1
+
+    def listed(self) -> str:
+        """``<N> objects in <s> s, <s> s of CPU`` since the start; the clock stops."""
+        wall, cpu = self._started or (time.monotonic(), time.process_time())
+        self._started = None
+        return (
+            f"{self._objects:,} objects in {time.monotonic() - wall:.2f} s, "
+            f"{time.process_time() - cpu:.2f} s of CPU"
+        )

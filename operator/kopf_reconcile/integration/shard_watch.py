@@ -41,7 +41,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any
 
 from kopf_reconcile.control.holding import LeadershipChange, LeaseHolder
-from kopf_reconcile.integration.relisting import ListingTracker
+from kopf_reconcile.integration.relisting import ListingClock, ListingTracker
 from kopf_reconcile.sharding import ShardAssignment, shard_id
 
 __all__ = ["ShardWatch", "narrowed_stream"]
@@ -177,6 +177,7 @@ async def narrowed_stream(
                         _pump(
                             stream,
                             passed,
+                            resource=resource,
                             listed_marker=listed_marker,
                             selected=selected,
                             covered=covered,
@@ -239,6 +240,7 @@ async def _pump(
     stream: AsyncIterator[Any],
     passed: asyncio.Queue[Any],
     *,
+    resource: str,
     listed_marker: object,
     selected: Callable[[object], bool],
     covered: Callable[[], None],
@@ -250,12 +252,16 @@ async def _pump(
     one per event); pass what goes on to kopf (the listing marker, once the listing is
     swept and covered; what is not an event) into ``passed``."""
     foreign = False
+    clock = ListingClock()
+    clock.start()
     async for item in stream:
         if item is listed_marker:
+            logger.info("listed %s: %s", resource, clock.listed())
             await _sweep(tracker, selected, feed, release)
             covered()
             passed.put_nowait(item)
         elif isinstance(item, Mapping):
+            clock.observe(item)
             if not selected(item.get("object")):
                 if not foreign and item.get("type") != "BOOKMARK":
                     foreign = True

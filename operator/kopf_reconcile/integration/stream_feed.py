@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeAlias
 
 from kopf_reconcile.integration import kopf_internals
 from kopf_reconcile.integration.logs import EVENT_HANDLER_PREFIX
-from kopf_reconcile.integration.relisting import ListingTracker
+from kopf_reconcile.integration.relisting import ListingClock, ListingTracker
 from kopf_reconcile.integration.shard_watch import ShardWatch, narrowed_stream
 
 __all__ = ["FedReconciler", "Feeder", "install_stream_feed"]
@@ -134,14 +134,18 @@ def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) ->
                     yield item
                 return
             stream = original(resource=resource, settings=settings, **kwargs)
+            clock = ListingClock()
+            clock.start()
             async with contextlib.aclosing(stream):
                 async for item in stream:
                     if item is listed_marker:
+                        logger.info("listed %s: %s", "/".join(filter(None, key)), clock.listed())
                         for deleted in tracker.listed():
                             await _feed(feeders, deleted)
                             if not alone:
                                 yield deleted
                     elif isinstance(item, Mapping):
+                        clock.observe(item)
                         tracker.observe(item)
                         await _feed(feeders, item)
                         if alone:
