@@ -19,9 +19,9 @@ fresh API server per size:
 Each figure is taken once the replica's probe shows it leads what it should and caches every
 object of it, and its listing has ended: its peak RSS (``VmHWM``, from ``/proc``; less the
 empty replica's) and the CPU seconds its listings took (the shim logs each listing's objects,
-wall and CPU seconds); each is the median of ``--runs`` replicas (3) run one after another. Both run with
-the ``ShardedListAndWatch`` gate on (the server filters) and off (the
-server sends everything; the replica drops the other shards' objects itself). Target: with the
+wall and CPU seconds); each is the median of ``--runs`` replicas (3) run one after another.
+Both run with the ``ShardedListAndWatch`` gate on (the server filters) and off (the server
+sends everything; the replica drops the other shards' objects itself). Target: with the
 gate, every shard's replica at most 1/4 + 10 % of the unsharded one (ratio <=
 0.35) in RSS and list CPU; without it, reported. A ``RESULT`` line per figure is read by
 ``scripts/bench.py``.
