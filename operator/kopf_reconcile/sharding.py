@@ -41,6 +41,7 @@ __all__ = [
     "hash_range",
     "of_reconciler",
     "range_of",
+    "range_of_hash",
     "shard_id",
     "shard_selector",
     "validate_shards",
@@ -94,7 +95,15 @@ def hash_range(shard: int, shards: int) -> tuple[int, int]:
 
 def range_of(value: str, shards: int) -> int:
     """The contiguous range (:func:`hash_range`) ``value``'s FNV-1a 64 hash falls in."""
-    return fnv1a_64(value.encode("utf-8", "surrogatepass")) * shards // HASH_SPACE
+    return range_of_hash(fnv1a_64(value.encode("utf-8", "surrogatepass")), shards)
+
+
+def range_of_hash(hashed: int, shards: int) -> int:
+    """The range ``k`` of :func:`hash_range` holding ``hashed``: the largest ``k`` with
+    ``k * 2**64 // shards <= hashed``. (``hashed * shards // 2**64`` differs from it at
+    ``shards - 1`` values when ``shards`` is not a power of two, and the server's ranges are
+    :func:`hash_range`'s.)"""
+    return ((hashed + 1) * shards - 1) // HASH_SPACE
 
 
 @functools.lru_cache(maxsize=65536)

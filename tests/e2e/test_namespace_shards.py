@@ -11,7 +11,9 @@ its shards over, lists them, and reconciles both.
 Without the ``ShardedListAndWatch`` gate the server sends every object: the replicas drop
 the other shards' objects themselves (and say so once), and hold the same.
 
-With ``watch_all_shards=True`` every replica holds every object, as when unsharded.
+With ``watch_all_shards=True`` every replica holds every object, as when unsharded; with a
+plain kopf handler of the resource too, the watch is not narrowed and everything is
+reconciled all the same.
 """
 
 from __future__ import annotations
@@ -203,3 +205,23 @@ async def test_with_watch_all_shards_every_replica_holds_every_object(
         )
 
     await eventually(all_held, timeout=90, message="every replica holds every object")
+
+
+@pytest.mark.parametrize("kube", ["embedded"], indirect=True)
+async def test_with_another_kopf_handler_the_watch_is_whole_and_everything_reconciled(
+    operators: Operators, http: aiohttp.ClientSession, kube_namespace: str, env: dict[str, str]
+) -> None:
+    rid = env["SHARDED_RECONCILER_ID"]
+    namespaces = await shard_namespaces(http, kube_namespace)
+    entities = [await create(http, ns, "cm-0") for ns in namespaces]
+    operator = await start(operators, namespaces, {**env, "ALSO_KOPF_HANDLER": "1"}, "first")
+
+    async def leads_and_holds() -> bool:
+        found = await report(operator, rid)
+        return len(found.get("shards", {})) == 4 and found.get("cached_objects") == 4
+
+    await eventually(leads_and_holds, timeout=60, message="leads every shard, holds all")
+    await operator.printed("audit ", timeout=30)  # kopf's own handler saw the objects
+    for entity in entities:
+        await operator.printed(f"reconcile {entity} live", timeout=30)
+    assert not operator.lines("carries shards"), operator.text  # never narrowed

@@ -26,6 +26,7 @@ from kopf_reconcile.sharding import (
     hash_range,
     of_reconciler,
     range_of,
+    range_of_hash,
     shard_selector,
 )
 
@@ -149,3 +150,15 @@ def test_numbered_namespaces_crowd_into_few_ranges() -> None:
     ranges = {ShardAssignment(8, by_namespace=True).shard_of(f"{n}/o") for n in numbered}
     assert len(ranges) <= 4
     assert {ShardAssignment(8).shard_of(n) for n in numbered} == set(range(8))
+
+
+@pytest.mark.parametrize("shards", [2, 3, 5, 7, 12, 1000, 1024])
+def test_every_range_starts_and_ends_where_the_server_says(shards: int) -> None:
+    for k in range(shards):
+        start, end = hash_range(k, shards)
+        assert range_of_hash(start, shards) == k
+        assert range_of_hash(end - 1, shards) == k
+        if k:
+            assert range_of_hash(start - 1, shards) == k - 1
+    # Where a plain h * n // 2**64 is one range too low (n not a power of two).
+    assert range_of_hash(0x5555555555555555, 3) == 1 == 0x5555555555555555 * 3 // HASH_SPACE + 1

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kopf_reconcile.control.holding import LeadershipChange
+from kopf_reconcile.integration import shard_watch
 from kopf_reconcile.integration.relisting import ListingTracker
 from kopf_reconcile.integration.shard_watch import ShardWatch, narrowed_stream
 from kopf_reconcile.sharding import ShardAssignment, shard_id
@@ -151,3 +152,105 @@ def test_only_a_layout_the_server_can_select_gets_a_shard_watch() -> None:
     for assignment in (ShardAssignment(4), ShardAssignment(4, True, namespace_modulo=True)):
         with pytest.raises(ValueError, match="cannot select"):
             ShardWatch(RID, assignment)
+
+
+# -- what an adversarial review found, each a test that failed before its fix ------------------
+
+
+def noop_stream(opened: list[str], closed: list[str] | None = None, closing: float = 0.0) -> Any:
+    """A server that lists nothing, then watches quietly (recording opens and closes)."""
+
+    async def open_stream(selector: str) -> AsyncGenerator[Any, None]:
+        opened.append(selector)
+        try:
+            yield LISTED
+            await asyncio.Event().wait()
+        finally:
+            if closing:
+                await asyncio.sleep(closing)  # closing the HTTP response takes a moment
+            if closed is not None:
+                closed.append(selector)
+
+    return open_stream
+
+
+async def ignore(_: object) -> None:
+    return None
+
+
+def consuming(open_stream: Any, watch: ShardWatch, *, tracker: ListingTracker | None = None,
+              feed: Any = ignore, release: Any = ignore,
+              ) -> asyncio.Task[None]:  # fmt: skip
+    async def consume() -> None:
+        async for _ in narrowed_stream(
+            open_stream, [watch], resource="things", listed_marker=LISTED,
+            tracker=tracker or ListingTracker(), feed=feed, release=release,
+        ):  # fmt: skip
+            pass
+
+    return asyncio.create_task(consume())
+
+
+async def test_a_change_right_after_asking_for_the_next_one_is_seen() -> None:
+    # The stream asks for the next change, then its waiting task first runs an iteration
+    # later: a lease won in between must still wake it (else its shard is never listed).
+    watch = ShardWatch(RID, ASSIGNMENT)
+    waiting = asyncio.ensure_future(watch.changed())
+    lead(watch, 0)
+    await asyncio.wait_for(waiting, 5)
+
+
+async def test_a_deletion_during_a_listing_cut_by_a_change_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shard_watch, "SETTLE_SECONDS", 0.01)  # the change cuts the listing
+    server = {f"{NAMESPACES[0][0]}/{n}": body(NAMESPACES[0][0], n) for n in ("a", "b")}
+
+    async def slow_lister(selector: str) -> AsyncGenerator[Any, None]:
+        for obj in [server[k] for k in sorted(server)]:
+            yield {"type": None, "object": obj}
+            await asyncio.sleep(0.1)
+        yield LISTED
+        await asyncio.Event().wait()
+
+    watch = ShardWatch(RID, ASSIGNMENT)
+    deleted: list[str] = []
+
+    async def feed(event: Mapping[str, Any]) -> None:
+        if event["type"] == "DELETED":
+            deleted.append(event["object"]["metadata"]["name"])
+
+    lead(watch, 0)
+    consumer = consuming(slow_lister, watch, feed=feed)
+    try:
+        await asyncio.sleep(0.05)  # "a" listed, "b" not yet
+        lead(watch, 1)  # the listing is cut: the stream starts again
+        del server[f"{NAMESPACES[0][0]}/a"]  # "a" is deleted meanwhile
+        await eventually(lambda: watch.covers(0) and watch.covers(1), timeout=5)
+        assert deleted == ["a"]
+    finally:
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+
+
+@pytest.mark.parametrize("restarting", [False, True])
+async def test_cancelling_the_stream_closes_kopfs_and_leaves_nothing_running(
+    restarting: bool,
+) -> None:
+    watch = ShardWatch(RID, ASSIGNMENT)
+    opened: list[str] = []
+    closed: list[str] = []
+    lead(watch, 0)
+    consumer = consuming(noop_stream(opened, closed, closing=0.1), watch)
+    await eventually(lambda: watch.covers(0), timeout=5)
+    if restarting:  # cancelled while a restart closes the previous stream
+        lead(watch, 1)
+        await eventually(lambda: len(closed) == 1, timeout=5, interval=0.001)
+        await asyncio.sleep(0.05)
+    consumer.cancel()
+    outcome = (await asyncio.gather(consumer, return_exceptions=True))[0]
+    assert isinstance(outcome, asyncio.CancelledError), outcome
+    assert len(opened) == len(closed) and len(opened) <= 2
+    left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert not left, left
+    assert not watch.covers(0)

@@ -443,13 +443,17 @@ class _Registration:
         versions += [r.version for r in o.related if r.key == key]
         return bool(versions) and (version is None or version in versions)
 
+    def reconciles(self, key: tuple[str, str]) -> bool:
+        """Whether ``key`` is the resource this reconciler reconciles (not a related one)."""
+        return key == (self.options.group, self.options.plural)
+
     def maps(self, key: tuple[str, str]) -> bool:
         """Whether a ``watches=`` entry of this reconciler maps resource ``key``'s objects."""
         return any(r.key == key and r.map_to is not None for r in self.options.related)
 
     def feeder(self, key: tuple[str, str]) -> Feeder:
         """What takes the events of resource ``key``'s watch stream for this reconciler."""
-        if key == (self.options.group, self.options.plural):
+        if self.reconciles(key):
             return self.reconciler_id, self.on_event
         return self.reconciler_id, functools.partial(self.on_related_event, key)
 

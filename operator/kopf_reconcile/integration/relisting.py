@@ -82,6 +82,11 @@ class ListingTracker:
         missing = [uid for uid in self._live if uid not in listing]
         return [{"type": "DELETED", "object": _restored(self._live.pop(uid))} for uid in missing]
 
+    def restart_listing(self) -> None:
+        """A new stream lists from the start: what a listing cut short held is not kept for it
+        (an object of it deleted meanwhile would otherwise count as listed)."""
+        self._listing = None
+
     def listed_within(
         self, selected: Callable[[Mapping[str, Any]], bool]
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

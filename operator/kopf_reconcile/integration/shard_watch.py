@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from kopf_reconcile.control.holding import LeadershipChange, LeaseHolder
@@ -109,9 +109,10 @@ class ShardWatch:
         while not self.covers(shard):
             await self.changed()
 
-    async def changed(self) -> None:
-        """Returns at the next change of the led shards or of a stream's coverage."""
-        await self._changed.wait()
+    def changed(self) -> Coroutine[Any, Any, bool]:
+        """What returns at the next change of the led shards or of a stream's coverage
+        after this call (the event is bound now, not when the coroutine first runs)."""
+        return self._changed.wait()
 
     def stream_covers(self, stream: object, shards: frozenset[int] | None) -> None:
         """``stream`` now holds ``shards`` completely (``None``: the stream ended)."""
@@ -170,6 +171,9 @@ async def narrowed_stream(
                     ", ".join(f"{sorted(led[w])} of {w.reconciler_id}" for w in watches),
                     selector,
                 )
+                # A listing cut short by the change is not merged with this stream's: it
+                # lists its own selection from the start, and only that listing sweeps.
+                tracker.restart_listing()
                 async with contextlib.aclosing(open_stream(selector)) as stream:
                     passed: asyncio.Queue[Any] = asyncio.Queue()
                     covered = functools.partial(_all_cover, watches, stream_key, led)
@@ -222,15 +226,19 @@ async def _sweep(
 
 
 async def _any_change(watches: list[ShardWatch], led: dict[ShardWatch, frozenset[int]]) -> None:
-    """Returns once a reconciler's led shards differ from ``led`` (and settled a moment)."""
-    while all(w.led() == led[w] for w in watches):
-        waits = [asyncio.ensure_future(w.changed()) for w in watches]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-    await asyncio.sleep(SETTLE_SECONDS)
+    """Returns once a reconciler's led shards differ from ``led``, still after a moment
+    for more changes (a shard lost and regained at once restarts nothing)."""
+    while True:
+        while all(w.led() == led[w] for w in watches):
+            waits = [asyncio.ensure_future(w.changed()) for w in watches]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        await asyncio.sleep(SETTLE_SECONDS)
+        if any(w.led() != led[w] for w in watches):
+            return
 
 
 _ENDED = object()  # the stream ended (what follows the last item a pump passes on)

@@ -52,6 +52,7 @@ class FedReconciler(Protocol):
     shard_watch: ShardWatch | None  # set when its streams may carry only its led shards
 
     def watches(self, key: tuple[str, str], version: str | None = None) -> bool: ...
+    def reconciles(self, key: tuple[str, str]) -> bool: ...
     def maps(self, key: tuple[str, str]) -> bool: ...
     def feeder(self, key: tuple[str, str]) -> Feeder: ...
     async def release(self, body: Mapping[str, Any]) -> None: ...
@@ -102,13 +103,15 @@ def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) ->
         # Kept for the sweep: the last bodies for kopf's handlers and map_to functions,
         # else identities only (a child's owner is then read from its cached body).
         tracker = ListingTracker(whole_bodies=not alone or any(r.maps(key) for r in fed))
-        watches = [r.shard_watch for r in fed if r.shard_watch is not None]
+        # The shard watches of the reconcilers whose own resource this is (not a child's).
+        watches = [r.shard_watch for r in fed if r.shard_watch is not None and r.reconciles(key)]
         narrowed = (
             alone
             and len(watches) == len(fed)
             and getattr(resource, "namespaced", False) is True
             and not kopf_internals.shard_selector_of(settings, resource)
         )
+        plain = object()  # this stream, as a shard watch knows it when it is not narrowed
         for registration in fed:
             registration.feeding_streams[key] += 1
         try:
@@ -136,10 +139,14 @@ def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) ->
             stream = original(resource=resource, settings=settings, **kwargs)
             clock = ListingClock()
             clock.start()
+            for watch in watches:  # not narrowed: each listing holds every shard
+                watch.stream_covers(plain, frozenset())
             async with contextlib.aclosing(stream):
                 async for item in stream:
                     if item is listed_marker:
                         logger.info("listed %s: %s", "/".join(filter(None, key)), clock.listed())
+                        for watch in watches:
+                            watch.stream_covers(plain, frozenset(range(watch.assignment.shards)))
                         for deleted in tracker.listed():
                             await _feed(feeders, deleted)
                             if not alone:
@@ -154,6 +161,8 @@ def install_stream_feed(registrations: Callable[[], Iterable[FedReconciler]]) ->
         finally:
             for registration in fed:
                 registration.feeding_streams[key] -= 1
+            for watch in watches:
+                watch.stream_covers(plain, None)  # (nothing, when narrowed)
 
     kopf_internals.replace_infinite_watch(infinite_watch, original)
 
