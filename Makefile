@@ -69,14 +69,14 @@ unit: $(STAMP)
 test: $(STAMP) tools lint real-apiserver pod-tier image
 	$(BIN)/python scripts/run_pytest.py
 
-# Deterministic simulation of replicas under a seeded nemesis (make test runs 600 schedules,
-# and 150 with SHARDS=3: the writer reconciler in 3 shards handed off between replicas).
+# Deterministic simulation of replicas under a seeded nemesis (make test runs 400 schedules,
+# and 100 with SHARDS=3: the writer reconciler in 3 shards handed off between replicas).
 SEEDS ?= 10000
 simulate: $(STAMP)
 	$(BIN)/python -m kopf_reconcile.testing.simulation --seeds $(SEEDS) --shards $(SHARDS)
 
 # Process chaos: replicas of the example operator as processes, the embedded API server and
-# PostgreSQL, under a seeded nemesis; a summary table per elector (make test runs 14 s of it).
+# PostgreSQL, under a seeded nemesis; a summary table per elector (make test runs 12 s of it).
 # TIER=real: on the real kube-apiserver with etcd (make real-apiserver builds it).
 # SHARDS=8: the Devices in 8 shards, replicas also joining and leaving (make test runs both);
 # BY_NAMESPACE=1 with it: one namespace per shard, each replica watching the shards it leads.

@@ -2,7 +2,7 @@
 
 For each elector (Kubernetes Leases, PostgreSQL lease rows) three replicas of the
 example operator run as OS processes on the embedded cluster and an embedded
-PostgreSQL while 60 Devices keep changing, and for 14 seconds the nemesis of
+PostgreSQL while 60 Devices keep changing, and for 12 seconds the nemesis of
 seed ``SEED`` SIGKILLs, pauses and restarts replicas, injects API faults, pauses
 the API server, stops PostgreSQL and kills its connections, partitions a replica
 from the API and sends writes below the scope's epoch straight to the database
@@ -33,7 +33,7 @@ from kopf_reconcile.testing.chaos import ELECTORS, Options, Report, run
 pytestmark = pytest.mark.slow
 
 SEED = 14
-DURATION = 14.0
+DURATION = 12.0
 NEMESIS = ("kill", "pause", "restart", "partition", "api_500", "api_slow", "watch_cut",
            "api_pause", "db_stop", "db_kill", "zombie")  # fmt: skip
 

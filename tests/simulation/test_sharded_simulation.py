@@ -18,7 +18,7 @@ from kopf_reconcile.testing.simulation import Settings, simulate
 from kopf_reconcile.testing.simulation.__main__ import main
 from kopf_reconcile.testing.simulation.stores import FenceStore, StoreRepository
 
-SHARDED_SCHEDULES = 150
+SHARDED_SCHEDULES = 100
 SHARDED = Settings(shards=3)
 
 
