@@ -94,7 +94,7 @@ chaos: $(STAMP)
 		--elector $(ELECTOR) --devices $(DEVICES) --tier $(TIER) --shards $(SHARDS) \
 		$(if $(BY_NAMESPACE),--by-namespace)
 
-# Every benchmark, then benchmarks/RESULTS.md (this project vs its baseline, same run); < 15 min.
+# Every benchmark, then benchmarks/RESULTS.md (this project vs its baseline, same run); ~16 min.
 bench: $(BENCH_STAMP) tools real-apiserver
 	$(BIN)/python scripts/bench.py
 

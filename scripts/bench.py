@@ -7,7 +7,7 @@ script runs them one after another (their output goes to the terminal as it come
 collects those lines and writes one page: for each figure the median and range of
 both sides, the ratio, the target, and whether it is met or by how much it is missed
 (with what bounds it, for the known misses), the machine, and each benchmark's full
-report. The settings below keep the whole run under 15 minutes on two cores.
+report. The settings below keep the whole run near 16 minutes on two cores.
 
     python scripts/bench.py [--only NAME[,NAME...]] [--output PATH]
 """
@@ -43,7 +43,7 @@ class Benchmark:
 SIDE_BY_SIDE = "Side by side with controller-runtime"
 NEEDS_BASELINE = {"kopf_e2e", "side_by_side"}
 
-# Sizes chosen for the 15-minute budget; each file's --help has the full-size options.
+# Sizes chosen for a run of about 16 minutes; each file's --help has the full-size options.
 PLAN = [
     Benchmark("dispatch", [], 240),  # with the Loop's CPU share, from kopf_e2e
     Benchmark("takeover", ["--runs", "3", "--plot", "benchmarks/takeover.png"], 180),
@@ -130,7 +130,7 @@ WHY: dict[str | tuple[str, str], str] = {
     ("sharded_replicas", "peak RSS"): (
         "what a replica's peak grows by beside its cache: a page of the listing (500 "
         "objects) decoded at once and the interpreter's arenas, a few MB whatever the "
-        "shard's size, so the ratio nears 1/4 as the objects grow (0.34x at 10,000 and "
+        "shard's size, so the ratio nears 1/4 as the objects grow (0.34-0.35x at 10,000 and "
         "0.29x at 30,000 in a run with the gate)"
     ),
     "sharded_throughput": (
