@@ -63,6 +63,18 @@ async def create(http: aiohttp.ClientSession, namespace: str, name: str) -> str:
     return f"{namespace}/{name}"
 
 
+async def shard_objects(
+    http: aiohttp.ClientSession, prefix: str, per_namespace: int
+) -> tuple[list[str], list[str]]:
+    """A namespace per shard (:func:`shard_namespaces`) with ``per_namespace`` ConfigMaps
+    ``cm-<i>`` each: the namespaces and the objects' entity ids."""
+    namespaces = await shard_namespaces(http, prefix)
+    entities = [
+        await create(http, ns, f"cm-{i}") for ns in namespaces for i in range(per_namespace)
+    ]
+    return namespaces, entities
+
+
 async def report(operator: Operator, rid: str) -> dict[str, Any]:
     status, text = await operator.get("/healthz")
     assert status == 200, text
@@ -133,10 +145,7 @@ async def shards_follow_leadership(
     server_filters: bool,
 ) -> None:
     rid = env["SHARDED_RECONCILER_ID"]
-    namespaces = await shard_namespaces(http, prefix)
-    entities = [
-        await create(http, ns, f"cm-{i}") for ns in namespaces for i in range(PER_NAMESPACE)
-    ]
+    namespaces, entities = await shard_objects(http, prefix, PER_NAMESPACE)
     first = await start(operators, namespaces, env, "first")
 
     async def holds(operator: Operator, shards: int, objects: int) -> bool:
@@ -193,8 +202,7 @@ async def test_with_watch_all_shards_every_replica_holds_every_object(
     operators: Operators, http: aiohttp.ClientSession, kube_namespace: str, env: dict[str, str]
 ) -> None:
     rid = env["SHARDED_RECONCILER_ID"]
-    namespaces = await shard_namespaces(http, kube_namespace)
-    entities = [await create(http, ns, f"cm-{i}") for ns in namespaces for i in range(2)]
+    namespaces, entities = await shard_objects(http, kube_namespace, 2)
     env = {**env, "WATCH_ALL_SHARDS": "1"}
     replicas = [await start(operators, namespaces, env, name) for name in ("first", "second")]
 
@@ -212,8 +220,7 @@ async def test_with_another_kopf_handler_the_watch_is_whole_and_everything_recon
     operators: Operators, http: aiohttp.ClientSession, kube_namespace: str, env: dict[str, str]
 ) -> None:
     rid = env["SHARDED_RECONCILER_ID"]
-    namespaces = await shard_namespaces(http, kube_namespace)
-    entities = [await create(http, ns, "cm-0") for ns in namespaces]
+    namespaces, entities = await shard_objects(http, kube_namespace, 1)
     operator = await start(operators, namespaces, {**env, "ALSO_KOPF_HANDLER": "1"}, "first")
 
     async def leads_and_holds() -> bool:
